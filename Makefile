@@ -1,0 +1,32 @@
+# Set-up and everyday commands. `make demo` and `make test` do everything on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# Pinned torch first: a CPU build from local disk here; an unpinned 'torch' may pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test bench gpu-check clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) tools/demo.py
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) tools/bench_formats.py
+
+gpu-check: install
+	$(PY) tools/gpu_check.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache demo-out

@@ -1,0 +1,5 @@
+import sys
+
+from packio.cli import main
+
+sys.exit(main())

@@ -1,0 +1,292 @@
+"""convert(src, dst): an image folder (+ CSV) or any packed dataset → any format.
+
+Inputs are read, checked and (optionally) resized in worker processes; the main
+process writes. The output is built under a temporary name beside ``dst`` and
+renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from packio import decode as dec
+from packio.errors import OutputExistsError, PackioError, SourceError
+from packio.formats import format_for_path, get_format, open_reader
+from packio.formats.base import FormatSpec, Reader, WriteOptions
+from packio.manifest import MANIFEST_NAME, Manifest
+from packio.sample import Sample, checksum
+from packio.sources import SourceItem, scan_source
+
+TMP_MARK = ".packio-tmp-"
+
+
+@dataclass
+class Summary:
+    output: str
+    format: str
+    packed: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def text(self) -> str:
+        skipped = sum(self.skipped.values())
+        lines = [f"packed {self.packed} samples into {self.output} ({self.format}, "
+                 f"{self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s"]
+        lines.append(f"skipped {skipped}" + (":" if skipped else ""))
+        lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
+        if self.info.get("duplicate_content"):
+            lines.append(f"note: {self.info['duplicate_content']} samples are byte-identical to another (kept)")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Prep:
+    """What each worker needs to turn one input into a stored Sample."""
+
+    payload: str  # target format's payload kind
+    resize: dec.ResizeSpec
+    quality: int
+    max_pixels: int
+    reader: Reader | None = None  # set when the source is a packed dataset
+
+
+Result = tuple[Sample | None, str, str]  # (sample, skip reason, where)
+
+
+def _finish(prep: _Prep, s: Sample, where: str) -> Result:
+    """Re-encode / resize a sample for the target payload kind."""
+    if not prep.resize.active and (
+            (prep.payload == "encoded" and s.encoding != "raw") or (prep.payload == s.encoding)):
+        return s, "", where
+    if isinstance(s.payload, np.ndarray):
+        img = s.payload
+    else:
+        try:
+            img = dec.decode(s.payload, apply_exif=True)
+        except ValueError as exc:
+            return None, "corrupt image data", f"{where} ({exc})"
+    boxes, box_labels = s.boxes, s.box_labels
+    if prep.resize.active:
+        img, boxes, keep = dec.apply_spec(img, boxes, prep.resize)
+        boxes, box_labels = boxes[keep], box_labels[keep]
+    if prep.payload == "raw":
+        payload, enc = img, "raw"
+    elif prep.payload == "bmp":
+        payload, enc = dec.encode(img, "bmp"), "bmp"
+    elif prep.resize.active:
+        payload, enc = dec.encode(img, "jpeg", prep.quality), "jpeg"
+    else:  # raw pixels into an encoded format, no resize asked: keep them lossless
+        payload, enc = dec.encode(img, "png"), "png"
+    out = Sample(key=s.key, payload=payload, encoding=enc, label=s.label, boxes=boxes,
+                 box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=s.meta)
+    out.checksum = checksum(out.payload)
+    return out, "", where
+
+
+def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
+    try:
+        with open(item.path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return None, "unreadable file", f"{item.path} ({exc.strerror})"
+    if not data:
+        return None, "empty file", item.path
+    enc = dec.sniff(data)
+    if enc is None:
+        return None, "not an image", item.path
+    if enc == "gif":
+        return None, "unsupported image type (gif)", item.path
+    try:
+        w, h = dec.image_size(data, enc)
+    except Exception as exc:  # header parsers raise many types on garbage
+        return None, "corrupt image header", f"{item.path} ({exc})"
+    if w <= 0 or h <= 0 or w * h > prep.max_pixels:
+        return None, "image too large (decompression bomb guard)", f"{item.path} ({w}x{h})"
+    if enc == "jpeg" and b"\xff\xd9" not in data[-4096:]:
+        return None, "truncated JPEG (no end marker)", item.path
+    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label,
+               boxes=np.asarray(item.boxes, np.float32).reshape(-1, 4),
+               box_labels=np.asarray(item.box_labels, np.int64), width=w, height=h)
+    s.checksum = checksum(data)
+    return _finish(prep, s, item.path)
+
+
+def _prepare_packed(prep: _Prep, index: int) -> Result:
+    assert prep.reader is not None
+    try:
+        s = prep.reader.read(index)
+    except PackioError as exc:
+        return None, "corrupt sample in the source dataset", f"#{index} ({exc})"
+    return _finish(prep, s, s.key)
+
+
+def _worker_init() -> None:
+    try:
+        import cv2
+
+        cv2.setNumThreads(1)  # one OpenCV thread per worker process: the workers are the parallelism
+    except ImportError:
+        pass
+
+
+def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int) -> Iterator[Result]:
+    if workers <= 1:
+        yield from map(fn, tasks)
+        return
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_worker_init) as pool:
+        yield from pool.imap(fn, tasks, chunksize=8)
+
+
+def _progress(total: int, enabled: bool | None) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="img", disable=(None if enabled is None else not enabled), leave=False)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _clean_stale(dst: Path) -> None:
+    """Remove temporaries left by killed runs (their pid is gone)."""
+    for p in dst.parent.glob(f".{dst.name}{TMP_MARK}*"):
+        pid = p.name.rsplit(TMP_MARK, 1)[-1].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _remove(p)
+
+
+def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv: str | Path | None = None,
+            columns: dict[str, str] | None = None, workers: int = 0, strict: bool = False,
+            resize: dec.ResizeSpec | None = None, quality: int = 90, overwrite: bool = False,
+            shard_samples: int = 10_000, shard_bytes: int = 1 << 30, progress: bool | None = None,
+            max_pixels: int = dec.MAX_PIXELS) -> Summary:
+    """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
+
+    The format comes from ``format`` or ``dst``'s suffix. Bad inputs are skipped
+    and counted in the returned Summary; ``strict=True`` turns any skip into a
+    ``SourceError``. ``dst`` appears only when complete.
+    """
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(str(dst).rstrip("/"))
+    spec: FormatSpec = get_format(format) if format else format_for_path(dst)
+    resize = resize or dec.ResizeSpec()
+    if not 1 <= quality <= 100:
+        raise PackioError(f"JPEG quality must be 1..100, got {quality}")
+    if spec.needs_fixed_shape and resize.fixed_shape is None:
+        raise PackioError(f"the {spec.name} format stores one image shape: give --size HxW, "
+                          f"or --short-side N with --crop HxW")
+    if dst.exists() and not overwrite:
+        raise OutputExistsError(f"{dst} exists; pass --overwrite to replace it, or choose another name")
+    packed_src = (src / MANIFEST_NAME).is_file() or src.is_file() or _looks_like_shards(src)
+    if not packed_src and not src.exists():
+        raise SourceError(f"{src}: no such file or folder")
+    if src.resolve() == dst.resolve():
+        raise PackioError(f"{dst}: source and destination are the same")
+    if not dst.parent.is_dir():
+        raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
+
+    summary = Summary(output=str(dst), format=spec.name)
+    payload = spec.payload_for(resize.fixed_shape)
+    if packed_src:
+        reader = open_reader(src)
+        classes = list(reader.manifest.classes)
+        tasks: list[Any] = list(range(len(reader)))
+        fn = functools.partial(_prepare_packed, _Prep(payload, resize, quality, max_pixels, reader))
+        source_info: dict[str, Any] = {"path": str(src), "packed_format": reader.manifest.format}
+    else:
+        scan = scan_source(src, csv, columns, strict=strict)
+        summary.skipped.update(scan.skipped)
+        summary.problems += scan.problems
+        classes, tasks = scan.classes, scan.items
+        fn = functools.partial(_prepare_file, _Prep(payload, resize, quality, max_pixels))
+        source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
+
+    _clean_stale(dst)
+    tmp = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    options = WriteOptions(shard_samples=shard_samples, shard_bytes=shard_bytes,
+                           fixed_shape=resize.fixed_shape if payload == "raw" else None)
+    writer = spec.writer(tmp, options)
+    seen: set[str] = set()
+    dup = 0
+    try:
+        with _progress(len(tasks), progress) as bar:
+            for sample, reason, where in _results(fn, tasks, workers):
+                bar.update(1)
+                if sample is None:
+                    if strict:
+                        raise SourceError(f"{where}: {reason} (--strict)")
+                    summary.skipped[reason] += 1
+                    summary.problems.append(f"{where}: {reason}")
+                    continue
+                dup += sample.checksum in seen
+                seen.add(sample.checksum)
+                writer.add(sample)
+        if strict and summary.skipped:
+            raise SourceError(f"{sum(summary.skipped.values())} inputs were skipped (--strict): "
+                              + "; ".join(summary.problems[:5]))
+        extra = writer.close()
+        summary.packed = writer.count
+        summary.info["duplicate_content"] = dup
+        image = {"payload": payload, "resize": resize.to_json() if resize.active else None,
+                 "quality": quality if resize.active else None,
+                 "shape": list(resize.fixed_shape) + [3] if resize.fixed_shape else None}
+        manifest = Manifest(format=spec.name, count=writer.count, classes=classes, image=image,
+                            source=source_info, extra=extra,
+                            summary={"packed": writer.count, "skipped": dict(summary.skipped),
+                                     "duplicate_content": dup})
+        writer.write_manifest(manifest)
+        _fsync_tree(tmp)
+        if dst.exists():  # overwrite: swap in the new output, then drop the old one
+            old = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-old")
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            _remove(old)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        writer.abort()
+        _remove(tmp)
+        raise
+    summary.bytes = _size(dst)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _looks_like_shards(src: Path) -> bool:
+    from packio.formats.tar import TarReader
+
+    return TarReader.detect_shards(str(src))
+
+
+def _fsync_tree(root: Path) -> None:
+    paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

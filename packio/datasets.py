@@ -1,0 +1,312 @@
+"""Map-style and iterable PyTorch datasets over any format's reader."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from packio import decode as dec
+from packio.errors import CorruptSampleError, FormatError, PackioError
+from packio.formats import open_reader
+from packio.formats.base import Reader
+from packio.order import dist_info, epoch_order, rank_slice, worker_slice
+from packio.sample import Sample, checksum
+
+log = logging.getLogger("packio")
+Size = int | tuple[int, int] | None
+
+
+def _hw(resize: Size) -> tuple[int, int] | None:
+    if resize is None:
+        return None
+    if isinstance(resize, int):
+        return resize, resize
+    h, w = resize
+    return int(h), int(w)
+
+
+class _Items:
+    """Turns stored samples into the dicts a training loop gets."""
+
+    def __init__(self, path: str | Path, format_name: str | None, decode: bool, resize: Size,
+                 transform: Callable[[torch.Tensor], Any] | None, backend: str, on_error: str,
+                 verify: bool) -> None:
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+        self.reader: Reader = open_reader(path)
+        if format_name and self.reader.manifest.format != format_name:
+            raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
+                              f"use packio.open_dataset() to open any format")
+        self.decode, self.size, self.transform = decode, _hw(resize), transform
+        self.backend, self.on_error, self.verify = backend, on_error, verify
+        self.errors = 0
+
+    def item(self, i: int, s: Sample) -> dict[str, Any]:
+        if self.verify and s.checksum and checksum(s.payload) != s.checksum:
+            raise CorruptSampleError(s.key, "checksum mismatch")
+        boxes = s.boxes
+        if not self.decode:
+            image: Any = s.payload if not isinstance(s.payload, np.ndarray) else torch.from_numpy(s.payload.copy())
+        else:
+            if isinstance(s.payload, np.ndarray):
+                img = s.payload
+            else:
+                try:
+                    img = dec.decode(s.payload, backend=self.backend, min_size=self.size)
+                except ValueError as exc:
+                    raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
+            h0, w0 = (s.height, s.width) if s.height and s.width else img.shape[:2]
+            if self.size is not None:
+                img = dec.resize(img, self.size)
+            if (img.shape[0], img.shape[1]) != (h0, w0) and len(boxes):
+                boxes = boxes * np.array([img.shape[1] / w0, img.shape[0] / h0] * 2, np.float32)
+            image = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)
+            if self.transform is not None:
+                image = self.transform(image)
+        return {"image": image, "label": s.label, "boxes": torch.from_numpy(np.asarray(boxes, np.float32)),
+                "box_labels": torch.from_numpy(s.box_labels), "key": s.key, "index": i}
+
+    def get(self, indices: list[int]) -> list[dict[str, Any] | None]:
+        try:
+            samples: list[Sample | None] = list(self.reader.read_many(indices))
+        except PackioError:
+            samples = []
+            for i in indices:  # find which one failed; keep the others
+                try:
+                    samples.append(self.reader.read(i))
+                except PackioError as exc:
+                    samples.append(self._failed(exc))
+        out: list[dict[str, Any] | None] = []
+        for i, s in zip(indices, samples):
+            if s is None:
+                out.append(None)
+                continue
+            try:
+                out.append(self.item(i, s))
+            except PackioError as exc:
+                out.append(self._failed(exc))
+        return out
+
+    def _failed(self, exc: PackioError) -> None:
+        if self.on_error == "raise":
+            raise exc
+        self.errors += 1
+        if self.errors == 1 or self.errors % 100 == 0:
+            log.warning("packio: skipped %d corrupt sample(s) so far; latest: %s", self.errors, exc)
+        return None
+
+
+class PackedDataset(Dataset):
+    """Random access to a packed dataset: ``ds[i]`` → dict with ``image`` (``uint8``
+    CHW tensor, or the stored bytes with ``decode=False``), ``label``, ``boxes``
+    (``float32[N, 4]`` xyxy), ``box_labels``, ``key``, ``index``.
+
+    ``resize=224`` or ``(h, w)`` resizes after decode (boxes follow). Handles open
+    lazily in each process, so it works in DataLoader workers under fork and spawn.
+    ``on_error="skip"`` returns ``None`` for a corrupt sample (``collate`` drops it).
+    """
+
+    format_name: str | None = None
+
+    def __init__(self, path: str | Path, *, decode: bool = True, resize: Size = None,
+                 transform: Callable[[torch.Tensor], Any] | None = None, backend: str = "auto",
+                 on_error: str = "raise", verify: bool = False) -> None:
+        self.items = _Items(path, self.format_name, decode, resize, transform, backend, on_error, verify)
+        self.path = str(path)
+
+    @property
+    def reader(self) -> Reader:
+        return self.items.reader
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.reader.manifest.classes)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> dict[str, Any] | None:
+        return self.items.get([self.reader.check_index(i)])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any] | None]:
+        """Batch read (the DataLoader calls this with a batch's indices)."""
+        return self.items.get([self.reader.check_index(i) for i in indices])
+
+    def sample(self, i: int) -> Sample:
+        """The stored sample itself (payload bytes/array and record), undecoded."""
+        return self.reader.read(i)
+
+
+class PackedIterableDataset(IterableDataset):
+    """Streams a packed dataset, split across DataLoader workers and DDP ranks.
+
+    Every sample once per epoch across all ranks and workers (``even="pad"`` /
+    ``"drop"`` equalise counts per rank). ``shuffle`` is seeded and changes with
+    :meth:`set_epoch`; the order is quasi-random over blocks/shards so reads stay
+    sequential. ``batch_size`` should match the DataLoader's: then the loader
+    yields the rank's sequence in order, and :meth:`state_dict` /
+    :meth:`load_state_dict` resume exactly after ``consumed`` samples, with any
+    ``num_workers``.
+    """
+
+    format_name: str | None = None
+
+    def __init__(self, path: str | Path, *, shuffle: bool = False, seed: int = 0, batch_size: int = 1,
+                 window: int = 8, rank: int | None = None, world_size: int | None = None,
+                 even: str | None = None, decode: bool = True, resize: Size = None,
+                 transform: Callable[[torch.Tensor], Any] | None = None, backend: str = "auto",
+                 on_error: str = "raise", verify: bool = False) -> None:
+        self.items = _Items(path, self.format_name, decode, resize, transform, backend, on_error, verify)
+        self.path = str(path)
+        self.shuffle, self.seed, self.batch_size, self.window = shuffle, seed, batch_size, window
+        self._rank, self._world, self.even = rank, world_size, even
+        rank_slice(np.zeros(0, np.int64), *dist_info(rank, world_size), even)  # validate early
+        self.epoch = 0
+        self._start = 0  # samples of this epoch already consumed (resume)
+        self._yielded = 0
+
+    @property
+    def reader(self) -> Reader:
+        return self.items.reader
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.reader.manifest.classes)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._start = int(epoch), 0
+
+    def rank_sequence(self) -> np.ndarray:
+        """This rank's full sequence of sample indices for the current epoch."""
+        order = epoch_order(len(self.reader), shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
+                            units=self.reader.units(), window=self.window)
+        rank, world = dist_info(self._rank, self._world)
+        return rank_slice(order, rank, world, self.even)
+
+    def __len__(self) -> int:
+        return len(self.rank_sequence())
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        seq = self.rank_sequence()[self._start:]
+        info = get_worker_info()
+        if info is not None:
+            seq = worker_slice(seq, info.id, info.num_workers, self.batch_size)
+        self._yielded = self._start
+        step = max(1, min(self.batch_size, 64))
+        for a in range(0, len(seq), step):
+            for item in self.items.get([int(i) for i in seq[a:a + step]]):
+                self._yielded += 1
+                if item is not None:
+                    yield item
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Resume point. ``consumed``: samples of this epoch the training loop has
+        taken (count them from the batches); by default, what this process's
+        iterator yielded (exact with ``num_workers=0``)."""
+        return {"epoch": self.epoch, "consumed": self._yielded if consumed is None else int(consumed),
+                "seed": self.seed, "shuffle": self.shuffle, "length": len(self.reader)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("length") != len(self.reader) or state.get("seed") != self.seed \
+                or state.get("shuffle") != self.shuffle:
+            raise ValueError("this state was saved for another dataset, seed or shuffle setting")
+        self.epoch, self._start = int(state["epoch"]), int(state["consumed"])
+
+
+def open_dataset(path: str | Path, *, iterable: bool = False, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
+    """Open any packed dataset (the format comes from its manifest)."""
+    return (PackedIterableDataset if iterable else PackedDataset)(path, **kwargs)
+
+
+def _pair(fmt: str, prefix: str) -> tuple[type[PackedDataset], type[PackedIterableDataset]]:
+    doc = f"A {prefix} dataset; see :class:`PackedDataset` / :class:`PackedIterableDataset`."
+    m = type(f"{prefix}Dataset", (PackedDataset,), {"format_name": fmt, "__doc__": doc, "__module__": __name__})
+    it = type(f"{prefix}IterableDataset", (PackedIterableDataset,),
+              {"format_name": fmt, "__doc__": doc, "__module__": __name__})
+    return m, it
+
+
+LMDBDataset, LMDBIterableDataset = _pair("lmdb", "LMDB")
+HDF5Dataset, HDF5IterableDataset = _pair("hdf5", "HDF5")
+TarDataset, TarIterableDataset = _pair("tar", "Tar")
+BMPDataset, BMPIterableDataset = _pair("bmp", "BMP")
+ArrayDataset, ArrayIterableDataset = _pair("arrays", "Array")
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """Map-style counterpart of the iterable split: a seeded per-epoch permutation,
+    this rank's interleaved share (``even`` as in :func:`packio.order.rank_slice`),
+    and a resume offset. Works as a DDP sampler (rank / world size from
+    ``torch.distributed`` when not given)."""
+
+    def __init__(self, length: int, *, shuffle: bool = True, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, even: str | None = None) -> None:
+        self.length, self.shuffle, self.seed, self.even = length, shuffle, seed, even
+        self.rank, self.world_size = dist_info(rank, world_size)
+        rank_slice(np.zeros(0, np.int64), self.rank, self.world_size, even)
+        self.epoch, self._start = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._start = int(epoch), 0
+
+    def _seq(self) -> np.ndarray:
+        order = epoch_order(self.length, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
+        return rank_slice(order, self.rank, self.world_size, self.even)
+
+    def __len__(self) -> int:
+        return len(self._seq()) - self._start
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._seq()[self._start:].tolist())
+
+    def state_dict(self, consumed: int) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": int(consumed), "seed": self.seed, "shuffle": self.shuffle,
+                "length": self.length}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("length") != self.length or state.get("seed") != self.seed:
+            raise ValueError("this state was saved for another dataset or seed")
+        self.epoch, self._start = int(state["epoch"]), int(state["consumed"])
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """``torch.utils.data.DataLoader`` with packio's ``collate`` and a resumable
+    position: it counts the samples it hands out, and :meth:`state_dict` turns the
+    count into the dataset's (iterable) or sampler's (map-style) resume point."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, **kwargs: Any) -> None:
+        from packio.collation import collate
+
+        kwargs.setdefault("collate_fn", collate)
+        if isinstance(dataset, PackedIterableDataset):
+            dataset.batch_size = batch_size  # chunking that keeps the loader's order = the rank's sequence
+        super().__init__(dataset, batch_size=batch_size, **kwargs)
+        self._consumed = 0
+
+    def _resumable(self) -> Any:
+        if isinstance(self.dataset, PackedIterableDataset):
+            return self.dataset
+        if isinstance(self.sampler, ResumableSampler):
+            return self.sampler
+        raise TypeError("state_dict needs a packio iterable dataset, or sampler=packio.ResumableSampler(...)")
+
+    def __iter__(self) -> Iterator[Any]:
+        target = self._resumable() if isinstance(self.dataset, PackedIterableDataset) or isinstance(
+            self.sampler, ResumableSampler) else None
+        self._consumed = getattr(target, "_start", 0)
+        for batch in super().__iter__():
+            self._consumed += len(batch["label"]) if isinstance(batch, dict) else len(batch)
+            yield batch
+        if target is not None:
+            target._start = 0  # the epoch is complete; the next one starts at its beginning
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._resumable().state_dict(consumed=self._consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resumable().load_state_dict(state)

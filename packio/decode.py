@@ -1,0 +1,228 @@
+"""CPU image decode and resize.
+
+JPEG goes through ``simplejpeg`` (a wheel that bundles libjpeg-turbo), or through
+PyTurboJPEG when asked and its system library is found; everything else, and any
+JPEG those reject, through OpenCV, then PIL as the last fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAX_PIXELS = 178_956_970  # PIL's decompression-bomb limit: refuse larger headers
+
+
+def sniff(data: bytes | memoryview) -> str | None:
+    """Image encoding from the first bytes (never from the file name)."""
+    head = bytes(data[:12])
+    if head[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if head[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if head[:2] == b"BM":
+        return "bmp"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    return None
+
+
+def image_size(data: bytes, encoding: str) -> tuple[int, int]:
+    """(width, height) from the header alone. Raises ValueError when unreadable."""
+    if encoding == "jpeg":
+        import simplejpeg
+
+        h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+        return int(w), int(h)
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = None  # packio applies its own limit below, with a clear message
+    with Image.open(io.BytesIO(data)) as im:
+        return im.size
+
+
+@functools.lru_cache(maxsize=1)
+def _turbojpeg() -> Any:
+    """PyTurboJPEG handle, or None when the package or its system library is absent."""
+    try:
+        from turbojpeg import TurboJPEG
+
+        return TurboJPEG()
+    except Exception:  # ImportError, or OSError/RuntimeError when the .so is missing
+        return None
+
+
+def available_backends() -> list[str]:
+    out = ["simplejpeg", "cv2", "pil"]
+    if _turbojpeg() is not None:
+        out.insert(1, "turbojpeg")
+    return out
+
+
+def _as_rgb3(img: np.ndarray) -> np.ndarray:
+    if img.ndim == 2:
+        img = img[:, :, None]
+    if img.shape[2] == 1:
+        return np.repeat(img, 3, axis=2)
+    if img.shape[2] == 4:
+        return np.ascontiguousarray(img[:, :, :3])
+    return img
+
+
+def _cv2_decode(data: bytes | memoryview, apply_exif: bool) -> np.ndarray:
+    import cv2
+
+    flags = cv2.IMREAD_COLOR if apply_exif else cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
+    img = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+    if img is None:
+        raise ValueError("OpenCV could not decode the image")
+    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+
+
+def _pil_decode(data: bytes | memoryview, apply_exif: bool) -> np.ndarray:
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(bytes(data))) as im:
+        if apply_exif:
+            im = ImageOps.exif_transpose(im)
+        return np.asarray(im.convert("RGB"))
+
+
+def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[int, int] | None = None,
+           apply_exif: bool = False) -> np.ndarray:
+    """Decode to ``uint8[H, W, 3]`` RGB (grayscale and CMYK become RGB).
+
+    ``min_size=(h, w)`` lets libjpeg-turbo decode at 1/2, 1/4 or 1/8 scale when the
+    result still covers it (other DCT scales are slower than a full decode).
+    ``apply_exif`` rotates by the EXIF orientation (OpenCV / PIL path).
+    Raises ``ValueError`` when no backend can decode the bytes.
+    """
+    enc = sniff(data)
+    errors: list[str] = []
+    order = [backend] if backend != "auto" else ["simplejpeg", "cv2", "pil"]
+    if backend == "auto" and enc != "jpeg":
+        order = ["cv2", "pil"]
+    if apply_exif and enc == "jpeg" and backend == "auto":
+        order = ["cv2", "pil"]  # simplejpeg does not read EXIF orientation
+    for name in order:
+        try:
+            if name == "simplejpeg":
+                import simplejpeg
+
+                kw: dict[str, Any] = {}
+                if min_size is not None:
+                    kw = {"min_height": min_size[0], "min_width": min_size[1], "min_factor": 2}
+                return simplejpeg.decode_jpeg(data, **kw)
+            if name == "turbojpeg":
+                tj = _turbojpeg()
+                if tj is None:
+                    raise ValueError("PyTurboJPEG's system library libturbojpeg was not found")
+                from turbojpeg import TJPF_RGB
+
+                return _as_rgb3(tj.decode(bytes(data), pixel_format=TJPF_RGB))
+            if name == "cv2":
+                return _cv2_decode(data, apply_exif)
+            if name == "pil":
+                return _pil_decode(data, apply_exif)
+            raise ValueError(f"unknown decode backend {name!r}; use one of {available_backends()}")
+        except Exception as exc:  # try the next backend, report all if none works
+            errors.append(f"{name}: {exc}")
+    raise ValueError("; ".join(errors) or "cannot decode")
+
+
+@dataclass(frozen=True)
+class ResizeSpec:
+    """Pre-resize geometry: a fixed ``size=(h, w)``, or ``short_side`` keeping aspect,
+    optionally followed by a center crop to ``crop=(h, w)``."""
+
+    size: tuple[int, int] | None = None
+    short_side: int | None = None
+    crop: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.size is not None and self.short_side is not None:
+            raise ValueError("give either a fixed size or a short side, not both")
+        for v in (*(self.size or ()), *(self.crop or ()), self.short_side or 1):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"resize sizes must be positive integers, got {v!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.size is not None or self.short_side is not None or self.crop is not None
+
+    @property
+    def fixed_shape(self) -> tuple[int, int] | None:
+        """(h, w) every output has, or None when it depends on the input."""
+        return self.crop or self.size
+
+    def target(self, h: int, w: int) -> tuple[int, int]:
+        if self.size is not None:
+            return self.size
+        if self.short_side is not None:
+            s = self.short_side / min(h, w)
+            return max(1, round(h * s)), max(1, round(w * s))
+        return h, w
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size and list(self.size), "short_side": self.short_side,
+                "crop": self.crop and list(self.crop)}
+
+
+def resize(img: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    """Resize with INTER_AREA when shrinking (antialiased), INTER_LINEAR when growing."""
+    import cv2
+
+    h, w = hw
+    if img.shape[:2] == (h, w):
+        return img
+    shrink = h * w < img.shape[0] * img.shape[1]
+    return cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+
+
+def apply_spec(img: np.ndarray, boxes: np.ndarray, spec: ResizeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Resize/crop ``img`` by ``spec`` and move ``boxes`` (xyxy) with it.
+
+    Returns (image, boxes, keep): boxes are clipped to the new image and ``keep``
+    marks those that still have area (or had none to start with).
+    """
+    h0, w0 = img.shape[:2]
+    th, tw = spec.target(h0, w0)
+    out = resize(img, (th, tw))
+    b = boxes.astype(np.float32).reshape(-1, 4).copy()
+    b[:, [0, 2]] *= tw / w0
+    b[:, [1, 3]] *= th / h0
+    keep = np.ones(len(b), bool)
+    if spec.crop is not None:
+        ch, cw = min(spec.crop[0], th), min(spec.crop[1], tw)
+        top, left = (th - ch) // 2, (tw - cw) // 2
+        out = out[top:top + ch, left:left + cw]
+        if (ch, cw) != spec.crop:  # source smaller than the crop: scale up to it
+            out = resize(out, spec.crop)
+            sy, sx = spec.crop[0] / ch, spec.crop[1] / cw
+        else:
+            sy = sx = 1.0
+        had_area = (b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])
+        b[:, [0, 2]] = np.clip(b[:, [0, 2]] - left, 0, cw) * sx
+        b[:, [1, 3]] = np.clip(b[:, [1, 3]] - top, 0, ch) * sy
+        keep = ~had_area | ((b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1]))
+    return np.ascontiguousarray(out), b, keep
+
+
+def encode(img: np.ndarray, encoding: str, quality: int = 90) -> bytes:
+    """Encode RGB ``uint8[H, W, 3]`` as jpeg (simplejpeg), png or bmp (OpenCV)."""
+    if encoding == "jpeg":
+        import simplejpeg
+
+        return simplejpeg.encode_jpeg(np.ascontiguousarray(img), quality=quality, colorsubsampling="420")
+    import cv2
+
+    ok, buf = cv2.imencode("." + encoding, cv2.cvtColor(img, cv2.COLOR_RGB2BGR))
+    if not ok:
+        raise ValueError(f"OpenCV could not encode {encoding}")
+    return buf.tobytes()

@@ -1,0 +1,28 @@
+"""packio's exceptions. Every message says what went wrong, where, and what to do."""
+
+from __future__ import annotations
+
+
+class PackioError(Exception):
+    """Base class of every error packio raises on purpose."""
+
+
+class SourceError(PackioError):
+    """The input folder, an input file or the CSV cannot be used."""
+
+
+class OutputExistsError(PackioError):
+    """The output path exists and ``overwrite`` was not asked for."""
+
+
+class FormatError(PackioError):
+    """A packed dataset is missing, malformed, or of an unknown format."""
+
+
+class CorruptSampleError(PackioError):
+    """One stored sample cannot be read back (bad record, bad bytes, checksum mismatch)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"sample {key!r} is corrupt: {reason}")
+        self.key = key
+        self.reason = reason

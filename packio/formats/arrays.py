@@ -1,0 +1,101 @@
+"""Pre-resized uint8 arrays: ``images.npy`` uint8[N, H, W, 3] (memory-mapped; a
+batch of indices is one fancy-index slice), ``labels.npy`` int64[N], and the
+records (boxes, keys, checksums) in ``records.bin`` / ``records.idx.npy``.
+Plain ``numpy.load(..., mmap_mode="r")`` reads the arrays.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packio.errors import FormatError
+from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored
+from packio.sample import Sample
+
+_HEADER = 256  # bytes reserved for the .npy header, rewritten with the final N
+
+
+def _npy_header(shape: tuple[int, ...]) -> bytes:
+    d = "{'descr': '|u1', 'fortran_order': False, 'shape': %s, }" % (shape,)
+    body = d.encode("latin1")
+    pad = _HEADER - 10 - len(body) - 1
+    if pad < 0:
+        raise ValueError("shape too long for the reserved header")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", _HEADER - 10) + body + b" " * pad + b"\n"
+
+
+class ArrayWriter(Writer):
+    def __init__(self, path: Path, options: WriteOptions) -> None:
+        super().__init__(path, options)
+        if options.fixed_shape is None:
+            raise ValueError("the arrays format needs a fixed image shape")
+        path.mkdir(parents=True)
+        self._h, self._w = options.fixed_shape
+        self._out = open(path / "images.npy", "wb")
+        self._out.write(_npy_header((0, self._h, self._w, 3)))
+        self._labels: list[int] = []
+        self._records = RecordFile(path)
+
+    def add(self, sample: Sample) -> None:
+        img = sample.payload
+        if not isinstance(img, np.ndarray) or img.shape != (self._h, self._w, 3) or img.dtype != np.uint8:
+            raise ValueError(f"{sample.key}: expected uint8[{self._h}, {self._w}, 3]")
+        self._out.write(np.ascontiguousarray(img).data)
+        self._labels.append(sample.label)
+        self._records.add(sample.record())
+        self.count += 1
+
+    def close(self) -> dict[str, Any]:
+        self._out.seek(0)
+        self._out.write(_npy_header((self.count, self._h, self._w, 3)))
+        self._out.close()
+        np.save(self.path / "labels.npy", np.asarray(self._labels, np.int64), allow_pickle=False)
+        self._records.close()
+        return {"images": "images.npy", "labels": "labels.npy", "shape": [self._h, self._w, 3]}
+
+    def abort(self) -> None:
+        self._out.close()
+        self._records._out.close()
+
+
+class ArrayReader(Reader):
+    def _open(self) -> None:
+        try:
+            images = np.load(self.path / "images.npy", mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise FormatError(f"{self.path}: cannot map images.npy ({exc}); re-pack the dataset") from None
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != self.manifest.count:
+            raise FormatError(f"{self.path}: images.npy is {images.dtype}{list(images.shape)}, but the manifest "
+                              f"says {self.manifest.count} uint8 images; the dataset is damaged")
+        self._h_images = images
+        self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
+
+    def _drop_handles(self) -> None:
+        for k in ("_h_images", "_h_idx", "_h_blob"):
+            self.__dict__.pop(k, None)
+
+    def read(self, i: int) -> Sample:
+        i = self.check_index(i)
+        self._ensure_open()
+        rec = RecordFile.get(self._h_idx, self._h_blob, i)
+        return decode_stored(rec, np.array(self._h_images[i]), f"#{i}")
+
+    def read_many(self, indices: list[int]) -> list[Sample]:
+        self._ensure_open()
+        idx = np.asarray([self.check_index(i) for i in indices], np.int64)
+        block = self._h_images[idx]  # one gather from the memory map
+        return [decode_stored(RecordFile.get(self._h_idx, self._h_blob, int(i)), block[j], f"#{i}")
+                for j, i in enumerate(idx)]
+
+    def images(self) -> np.ndarray:
+        """The memory-mapped ``uint8[N, H, W, 3]`` array itself."""
+        self._ensure_open()
+        return self._h_images
+
+
+FORMAT = FormatSpec(name="arrays", suffixes=(".npy", ".arrays"), writer=ArrayWriter, reader=ArrayReader,
+                    payload="raw", needs_fixed_shape=True)

@@ -1,0 +1,198 @@
+"""The Writer / Reader pair every format implements, and shared helpers."""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from packio.errors import CorruptSampleError, FormatError
+from packio.manifest import MANIFEST_NAME, Manifest, describe_files
+from packio.sample import Sample, sample_from_record
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """What a writer needs to know beyond the samples themselves."""
+
+    shard_samples: int = 10_000  # tar: samples per shard
+    shard_bytes: int = 1 << 30  # tar: bytes per shard (whichever limit comes first)
+    fixed_shape: tuple[int, int] | None = None  # (h, w) when every image has it
+
+
+def pack_record(rec: dict[str, Any]) -> bytes:
+    return msgpack.packb(rec, use_bin_type=True)
+
+
+def unpack_record(data: bytes | memoryview, where: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 20,
+                               max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 16)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CorruptSampleError(where, f"record is not valid msgpack ({exc})") from None
+
+
+def decode_stored(rec: Any, payload: bytes | np.ndarray, where: str) -> Sample:
+    """Record + payload → Sample; raw payloads get their shape from the record."""
+    sample = sample_from_record(rec, payload)
+    if sample.encoding == "raw" and isinstance(payload, (bytes, memoryview)):
+        shape = (sample.height, sample.width, 3)
+        if len(payload) != shape[0] * shape[1] * 3:
+            raise CorruptSampleError(sample.key, f"raw payload of {len(payload)} bytes does not fit {shape}")
+        sample.payload = np.frombuffer(payload, np.uint8).reshape(shape)
+    return sample
+
+
+def payload_bytes(sample: Sample) -> bytes | memoryview:
+    p = sample.payload
+    return np.ascontiguousarray(p).data if isinstance(p, np.ndarray) else p
+
+
+class Writer(ABC):
+    """Writes samples to ``path`` (a temporary name; the caller renames it when done)."""
+
+    def __init__(self, path: Path, options: WriteOptions) -> None:
+        self.path = path
+        self.options = options
+        self.count = 0
+
+    @abstractmethod
+    def add(self, sample: Sample) -> None: ...
+
+    @abstractmethod
+    def close(self) -> dict[str, Any]:
+        """Flush and close; returns format-specific facts for ``manifest.extra``."""
+
+    def abort(self) -> None:
+        """Release handles after a failure (the caller deletes the temporary path)."""
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        manifest.files = describe_files(self.path)
+        (self.path / MANIFEST_NAME).write_text(manifest.to_json())
+
+
+class Reader(ABC):
+    """Random access to stored samples. Handles open lazily, once per process, so a
+    reader can be pickled into DataLoader workers (fork or spawn)."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        self._pid: int | None = None
+
+    @classmethod
+    def read_manifest(cls, path: Path) -> Manifest:
+        mpath = path / MANIFEST_NAME
+        try:
+            text = mpath.read_bytes()
+        except OSError as exc:
+            raise FormatError(f"{path}: cannot read {MANIFEST_NAME} ({exc.strerror}); "
+                              f"is this a dataset packed by packio?") from None
+        return Manifest.from_json(text, str(mpath))
+
+    def __len__(self) -> int:
+        return self.manifest.count
+
+    def _ensure_open(self) -> None:
+        if self._pid != os.getpid():
+            if self._pid is not None:
+                self._drop_handles()
+            self._open()
+            self._pid = os.getpid()
+
+    @abstractmethod
+    def _open(self) -> None: ...
+
+    def _drop_handles(self) -> None:
+        """Forget handles inherited from another process (after fork)."""
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            self._drop_handles()
+        self._pid = None
+
+    @abstractmethod
+    def read(self, i: int) -> Sample: ...
+
+    def read_many(self, indices: list[int]) -> list[Sample]:
+        return [self.read(i) for i in indices]
+
+    def units(self) -> list[range]:
+        """Contiguous index ranges read as a unit by streaming (shards, blocks)."""
+        n, step = len(self), 512
+        return [range(s, min(s + step, n)) for s in range(0, n, step)]
+
+    def check_index(self, i: int) -> int:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+            raise TypeError(f"sample index must be an int, got {type(i).__name__}")
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} out of range for {n} samples")
+        return int(i) % n if n else int(i)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_h_")}
+        state["_pid"] = None
+        return state
+
+
+class RecordFile:
+    """Records of formats that keep them apart from the payloads: one msgpack blob
+    per sample concatenated in ``records.bin`` with ``records.idx.npy`` offsets."""
+
+    BIN, IDX = "records.bin", "records.idx.npy"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._out = open(root / self.BIN, "wb")
+        self._offsets = [0]
+
+    def add(self, rec: dict[str, Any]) -> None:
+        blob = pack_record(rec)
+        self._out.write(blob)
+        self._offsets.append(self._offsets[-1] + len(blob))
+
+    def close(self) -> None:
+        self._out.close()
+        np.save(self.root / self.IDX, np.asarray(self._offsets, np.int64), allow_pickle=False)
+
+    @classmethod
+    def load(cls, root: Path, count: int) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            idx = np.load(root / cls.IDX, allow_pickle=False, mmap_mode="r")
+            blob = np.memmap(root / cls.BIN, np.uint8, "r") if (root / cls.BIN).stat().st_size else np.zeros(0, np.uint8)
+        except (OSError, ValueError) as exc:
+            raise FormatError(f"{root}: cannot read the record files ({exc})") from None
+        if idx.shape != (count + 1,) or idx.dtype != np.int64 or (count and idx[-1] > len(blob)):
+            raise FormatError(f"{root}: record index does not match the manifest's {count} samples; "
+                              f"re-pack the dataset or run 'packio verify'")
+        return idx, blob
+
+    @staticmethod
+    def get(idx: np.ndarray, blob: np.ndarray, i: int) -> Any:
+        a, b = int(idx[i]), int(idx[i + 1])
+        if not 0 <= a <= b <= len(blob):
+            raise CorruptSampleError(f"#{i}", "record offsets out of range")
+        return unpack_record(blob[a:b].tobytes(), f"#{i}")
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One format: its name, suffixes, writer and reader, kept side by side."""
+
+    name: str
+    suffixes: tuple[str, ...]
+    writer: type[Writer]
+    reader: type[Reader]
+    payload: str  # "encoded": bytes as found / re-encoded JPEG; "raw": decoded pixels; "bmp"
+    single_file: bool = False
+    needs_fixed_shape: bool = False
+    raw_when_fixed: bool = False  # store decoded pixels when every image has one pre-resized shape
+
+    def payload_for(self, fixed_shape: tuple[int, int] | None) -> str:
+        return "raw" if self.raw_when_fixed and fixed_shape is not None else self.payload

@@ -1,0 +1,67 @@
+"""Pre-resized BMP folder: ``images/{i // 1000:06d}/{i:010d}.bmp`` (decoding a BMP
+is a copy, not a JPEG decode) plus ``records.bin`` / ``records.idx.npy``.
+
+This format opens one file per sample by design: it trades file opens for zero
+decode cost, which is what the users who asked for it measured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from packio.errors import CorruptSampleError, FormatError
+from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.sample import Sample
+
+
+def _rel(i: int) -> str:
+    return f"images/{i // 1000:06d}/{i:010d}.bmp"
+
+
+class BMPWriter(Writer):
+    def __init__(self, path: Path, options: WriteOptions) -> None:
+        super().__init__(path, options)
+        path.mkdir(parents=True)
+        self._records = RecordFile(path)
+
+    def add(self, sample: Sample) -> None:
+        if sample.encoding != "bmp":
+            raise ValueError("the bmp format stores BMP payloads only")
+        p = self.path / _rel(self.count)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(payload_bytes(sample))
+        self._records.add(sample.record())
+        self.count += 1
+
+    def close(self) -> dict[str, Any]:
+        self._records.close()
+        return {"images": "images/{i // 1000:06d}/{i:010d}.bmp", "records": RecordFile.BIN}
+
+    def abort(self) -> None:
+        self._records._out.close()
+
+
+class BMPReader(Reader):
+    def _open(self) -> None:
+        self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
+
+    def _drop_handles(self) -> None:
+        self.__dict__.pop("_h_idx", None)
+        self.__dict__.pop("_h_blob", None)
+
+    def read(self, i: int) -> Sample:
+        i = self.check_index(i)
+        self._ensure_open()
+        rec = RecordFile.get(self._h_idx, self._h_blob, i)
+        try:
+            with open(self.path / _rel(i), "rb") as f:
+                payload = f.read()
+        except FileNotFoundError:
+            raise CorruptSampleError(str(rec.get("key", f"#{i}")), f"{_rel(i)} is missing") from None
+        except OSError as exc:
+            raise FormatError(f"{self.path / _rel(i)}: cannot read ({exc.strerror})") from None
+        return decode_stored(rec, payload, f"#{i}")
+
+
+FORMAT = FormatSpec(name="bmp", suffixes=(".bmp",), writer=BMPWriter, reader=BMPReader, payload="bmp")

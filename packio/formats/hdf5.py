@@ -1,0 +1,170 @@
+"""HDF5 (one ``.h5`` file). Layout, readable with plain h5py:
+
+- ``images_bytes`` uint8[total] + ``offsets`` int64[N+1]: encoded image i is
+  ``images_bytes[offsets[i]:offsets[i+1]]``; or, for pre-resized fixed-shape data,
+  ``images`` uint8[N, H, W, 3] chunked one sample per chunk.
+- ``labels`` int64[N]; ``boxes`` float32[M, 4] (xyxy) with ``box_labels`` int64[M]
+  and ``box_offsets`` int64[N+1] (boxes of i are rows box_offsets[i]:box_offsets[i+1]).
+- ``records`` uint8 + ``record_offsets``: packio's msgpack record per sample.
+- attribute ``packio_manifest``: the manifest as JSON.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from packio.errors import CorruptSampleError, FormatError
+from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
+                                 payload_bytes, unpack_record)
+from packio.manifest import Manifest
+from packio.sample import Sample
+
+ATTR = "packio_manifest"
+_FLUSH = 256
+
+
+def _append(f: h5py.File, name: str, data: np.ndarray, chunks: tuple[int, ...]) -> None:
+    if name not in f:
+        f.create_dataset(name, shape=(0, *data.shape[1:]), maxshape=(None, *data.shape[1:]),
+                         dtype=data.dtype, chunks=chunks)
+    d = f[name]
+    n = d.shape[0]
+    d.resize(n + len(data), axis=0)
+    d[n:] = data
+
+
+class HDF5Writer(Writer):
+    def __init__(self, path: Path, options: WriteOptions) -> None:
+        super().__init__(path, options)
+        self._f = h5py.File(path, "w", libver="latest")
+        self._buf: list[Sample] = []
+        self._offset = 0
+        self._box_offset = 0
+        self._rec_offset = 0
+        self._f.create_dataset("offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
+        self._f.create_dataset("box_offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
+        self._f.create_dataset("record_offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
+
+    def add(self, sample: Sample) -> None:
+        self._buf.append(sample)
+        self.count += 1
+        if len(self._buf) >= _FLUSH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        f, buf = self._f, self._buf
+        fixed = self.options.fixed_shape
+        if fixed is not None:
+            _append(f, "images", np.stack([s.payload for s in buf]), (1, *fixed, 3))
+        else:
+            blobs = [payload_bytes(s) for s in buf]
+            _append(f, "images_bytes", np.frombuffer(b"".join(blobs), np.uint8), (1 << 16,))
+            ends = self._offset + np.cumsum([len(b) for b in blobs])
+            self._offset = int(ends[-1])
+            _append(f, "offsets", ends.astype(np.int64), (4096,))
+        _append(f, "labels", np.array([s.label for s in buf], np.int64), (4096,))
+        boxes = np.concatenate([s.boxes.reshape(-1, 4) for s in buf]).astype(np.float32)
+        _append(f, "boxes", boxes, (4096, 4))
+        _append(f, "box_labels", np.concatenate([s.box_labels for s in buf]).astype(np.int64), (4096,))
+        ends = self._box_offset + np.cumsum([len(s.boxes) for s in buf])
+        self._box_offset = int(ends[-1])
+        _append(f, "box_offsets", ends.astype(np.int64), (4096,))
+        recs = [pack_record(s.record()) for s in buf]
+        _append(f, "records", np.frombuffer(b"".join(recs), np.uint8), (1 << 16,))
+        ends = self._rec_offset + np.cumsum([len(r) for r in recs])
+        self._rec_offset = int(ends[-1])
+        _append(f, "record_offsets", ends.astype(np.int64), (4096,))
+        self._buf = []
+
+    def close(self) -> dict[str, Any]:
+        self._flush()
+        self._f.close()
+        return {"layout": "see packio/formats/hdf5.py: images_bytes+offsets or images[N,H,W,3]; labels; "
+                          "boxes+box_labels+box_offsets; records+record_offsets (msgpack)",
+                "fixed_shape": list(self.options.fixed_shape) if self.options.fixed_shape else None}
+
+    def abort(self) -> None:
+        try:
+            self._f.close()
+        except Exception:
+            pass
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        manifest.files = {}  # one file: its own checksum cannot live inside it; samples carry theirs
+        with h5py.File(self.path, "r+") as f:
+            f.attrs[ATTR] = manifest.to_json()
+
+
+class HDF5Reader(Reader):
+    @classmethod
+    def read_manifest(cls, path: Path) -> Manifest:
+        try:
+            with h5py.File(path, "r") as f:
+                text = f.attrs.get(ATTR)
+        except OSError as exc:
+            raise FormatError(f"{path}: cannot open as HDF5 ({exc})") from None
+        if text is None:
+            raise FormatError(f"{path}: an HDF5 file without packio's '{ATTR}' attribute; pack it with packio")
+        return Manifest.from_json(text, str(path))
+
+    def _open(self) -> None:
+        try:
+            f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise FormatError(f"{self.path}: cannot open as HDF5 ({exc})") from None
+        self._h_f = f
+        n = self.manifest.count
+        try:
+            self._h_recoff = f["record_offsets"][:]
+            self._h_records = f["records"] if n else None
+            self._h_fixed = "images" in f
+            self._h_images = f["images"] if self._h_fixed else (f["images_bytes"] if n else None)
+            self._h_off = None if self._h_fixed else f["offsets"][:]
+        except KeyError as exc:
+            raise FormatError(f"{self.path}: HDF5 dataset {exc} is missing; the file is damaged") from None
+        count = len(self._h_images) if self._h_fixed else len(self._h_off) - 1
+        if len(self._h_recoff) != n + 1 or count != n:
+            raise FormatError(f"{self.path}: holds {count} images / {len(self._h_recoff) - 1} records but "
+                              f"the manifest says {n}; the file is damaged, re-pack it")
+
+    def _drop_handles(self) -> None:
+        for k in [k for k in self.__dict__ if k.startswith("_h_")]:
+            del self.__dict__[k]
+
+    def _record(self, i: int) -> Any:
+        a, b = int(self._h_recoff[i]), int(self._h_recoff[i + 1])
+        if not 0 <= a <= b:
+            raise CorruptSampleError(f"#{i}", "record offsets out of order")
+        return unpack_record(self._h_records[a:b].tobytes(), f"#{i}")
+
+    def read(self, i: int) -> Sample:
+        i = self.check_index(i)
+        self._ensure_open()
+        rec = self._record(i)
+        if self._h_fixed:
+            payload: Any = self._h_images[i]
+        else:
+            a, b = int(self._h_off[i]), int(self._h_off[i + 1])
+            if not 0 <= a <= b:
+                raise CorruptSampleError(f"#{i}", "image offsets out of order")
+            payload = self._h_images[a:b].tobytes()
+        return decode_stored(rec, payload, f"#{i}")
+
+    def read_many(self, indices: list[int]) -> list[Sample]:
+        self._ensure_open()
+        if not self._h_fixed or len(indices) < 2:
+            return [self.read(i) for i in indices]
+        idx = np.asarray([self.check_index(i) for i in indices])
+        uniq, inv = np.unique(idx, return_inverse=True)
+        block = self._h_images[uniq]  # h5py wants increasing indices: one read, then reorder
+        return [decode_stored(self._record(int(i)), block[j], f"#{i}") for i, j in zip(idx, inv)]
+
+
+FORMAT = FormatSpec(name="hdf5", suffixes=(".h5", ".hdf5"), writer=HDF5Writer, reader=HDF5Reader,
+                    payload="encoded", single_file=True, raw_when_fixed=True)

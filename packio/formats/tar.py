@@ -1,0 +1,271 @@
+"""Tar shards with WebDataset conventions: ``DST/shard-000000.tar`` ... holding
+``{key}.jpg`` (or .png/.bmp/.webp), ``{key}.cls`` (label as text) and ``{key}.json``
+(the packio record). ``index.npy`` (int64 rows: shard, image offset, image size,
+json offset, json size) gives random access without scanning.
+
+Shards written by other tools (e.g. ``webdataset.ShardWriter``) open too: a folder
+of ``.tar`` files, one ``.tar``, or a brace pattern ``shard-{000000..000009}.tar``;
+they are scanned once at open. Members are never extracted; names with ``..``,
+absolute names and links are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packio.decode import sniff
+from packio.errors import CorruptSampleError, FormatError
+from packio.formats.base import FormatSpec, Reader, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.manifest import Manifest
+from packio.sample import EXTENSIONS, Sample
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
+INDEX = "index.npy"
+
+
+def _member(name: str, data: bytes | memoryview) -> tuple[tarfile.TarInfo, io.BytesIO]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o444
+    info.mtime = 0  # reproducible shards
+    return info, io.BytesIO(data)
+
+
+class TarWriter(Writer):
+    def __init__(self, path: Path, options: WriteOptions) -> None:
+        super().__init__(path, options)
+        path.mkdir(parents=True)
+        self._shards: list[str] = []
+        self._rows: list[np.ndarray] = []
+        self._tar: tarfile.TarFile | None = None
+        self._in_shard = 0
+        self._shard_bytes = 0
+
+    def _roll(self) -> None:
+        self._close_shard()
+        name = f"shard-{len(self._shards):06d}.tar"
+        self._shards.append(name)
+        self._tar = tarfile.open(self.path / name, "w", format=tarfile.PAX_FORMAT)
+        self._in_shard = self._shard_bytes = 0
+
+    def add(self, sample: Sample) -> None:
+        o = self.options
+        if self._tar is None or self._in_shard >= o.shard_samples or self._shard_bytes >= o.shard_bytes:
+            self._roll()
+        key = f"{self.count:010d}"  # WebDataset keys cannot hold dots; the original key is in the json
+        data = payload_bytes(sample)
+        rec = json.dumps(sample.record(), separators=(",", ":")).encode()
+        for name, blob in ((f"{key}.{EXTENSIONS[sample.encoding]}", data), (f"{key}.json", rec)):
+            self._tar.addfile(*_member(name, blob))
+        if sample.label >= 0:
+            self._tar.addfile(*_member(f"{key}.cls", str(sample.label).encode()))
+        self._in_shard += 1
+        self._shard_bytes += len(data) + len(rec) + 1536
+        self.count += 1
+
+    def _close_shard(self) -> None:
+        if self._tar is None:
+            return
+        self._tar.close()
+        self._tar = None
+        shard = len(self._shards) - 1
+        rows = _scan(self.path / self._shards[shard], shard, strict=True)[0]
+        self._rows.append(rows)
+
+    def close(self) -> dict[str, Any]:
+        self._close_shard()
+        index = np.concatenate(self._rows) if self._rows else np.zeros((0, 5), np.int64)
+        np.save(self.path / INDEX, index, allow_pickle=False)
+        return {"shards": self._shards, "index": INDEX,
+                "index_columns": ["shard", "image_offset", "image_size", "json_offset", "json_size"],
+                "pattern": f"shard-{{000000..{max(len(self._shards) - 1, 0):06d}}}.tar"}
+
+    def abort(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+
+
+def _check_member(m: tarfile.TarInfo, shard: Path) -> None:
+    name = m.name
+    if name.startswith("/") or ".." in Path(name).parts or re.match(r"^[A-Za-z]:", name):
+        raise FormatError(f"{shard}: member {name!r} has an absolute or '..' path; refusing this tar")
+    if m.issym() or m.islnk() or m.isdev():
+        raise FormatError(f"{shard}: member {name!r} is a link or device; refusing this tar")
+
+
+def _scan(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[str], list[int]]:
+    """Index one shard: rows (shard, img off, img size, json off, json size), keys, labels."""
+    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+    order: list[str] = []
+    try:
+        with tarfile.open(shard, "r:") as tf:
+            for m in tf:
+                _check_member(m, shard)
+                if not m.isfile():
+                    continue
+                base = m.name.rsplit("/", 1)[-1]
+                if "." not in base:
+                    continue
+                stem, ext = base.split(".", 1)
+                key = m.name[: len(m.name) - len(base)] + stem
+                if key not in groups:
+                    groups[key] = {}
+                    order.append(key)
+                groups[key][ext.lower()] = m
+            labels: list[int] = []
+            rows, keys = [], []
+            for key in order:
+                g = groups[key]
+                img = next((g[e] for e in IMAGE_EXTS if e in g), None)
+                if img is None:
+                    if strict:
+                        raise FormatError(f"{shard}: sample {key!r} has no image member")
+                    continue
+                js = g.get("json")
+                label = -1
+                if "cls" in g:
+                    f = tf.extractfile(g["cls"])
+                    try:
+                        label = int(f.read(32).decode().strip()) if f else -1
+                    except (ValueError, UnicodeDecodeError):
+                        label = -1
+                rows.append((shard_no, img.offset_data, img.size,
+                             js.offset_data if js else -1, js.size if js else 0))
+                keys.append(key)
+                labels.append(label)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise FormatError(f"{shard}: not a readable tar shard ({exc})") from None
+    return np.asarray(rows, np.int64).reshape(-1, 5), keys, labels
+
+
+def _expand(pattern: str) -> list[str]:
+    from braceexpand import braceexpand
+
+    return list(braceexpand(pattern))
+
+
+class TarReader(Reader):
+    """Random access through the member index; one open file per shard per process."""
+
+    def __init__(self, path: Path, manifest: Manifest, shards: list[Path] | None = None,
+                 index: np.ndarray | None = None, foreign: dict[int, tuple[str, int]] | None = None) -> None:
+        super().__init__(path, manifest)
+        self.shards = shards if shards is not None else [path / s for s in manifest.extra.get("shards", [])]
+        if index is None:
+            try:
+                index = np.load(path / INDEX, allow_pickle=False)
+            except (OSError, ValueError) as exc:
+                raise FormatError(f"{path}: cannot read {INDEX} ({exc}); re-pack the dataset") from None
+        if index.dtype != np.int64 or index.shape != (manifest.count, 5) or (
+                len(index) and not (0 <= index[:, 0].min() and index[:, 0].max() < len(self.shards))):
+            raise FormatError(f"{path}: {INDEX} does not match the manifest ({manifest.count} samples, "
+                              f"{len(self.shards)} shards); re-pack the dataset")
+        self.index = index
+        self.foreign = foreign  # index -> (key, label) for shards without packio records
+
+    @staticmethod
+    def detect_shards(path: str) -> bool:
+        p = Path(path)
+        if "{" in path and ".tar" in path:
+            return True
+        if p.is_file() and p.suffix == ".tar":
+            return True
+        return p.is_dir() and not (p / "packio.json").exists() and any(p.glob("*.tar")) and all(
+            f.suffix == ".tar" for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+
+    @classmethod
+    def from_shards(cls, path: str) -> "TarReader":
+        """Open shards written by another tool: scan members once, build the index."""
+        p = Path(path)
+        if p.is_dir():
+            shards = sorted(p.glob("*.tar"))
+        elif "{" in path:
+            shards = [Path(s) for s in _expand(path)]
+        else:
+            shards = [p]
+        missing = [s for s in shards if not s.is_file()]
+        if missing or not shards:
+            raise FormatError(f"{path}: shard {missing[0] if missing else '(none)'} not found")
+        rows, foreign = [], {}
+        for n, shard in enumerate(shards):
+            r, keys, labels = _scan(shard, n, strict=False)
+            for k, lab in zip(keys, labels):
+                foreign[len(foreign)] = (k, lab)
+            rows.append(r)
+        index = np.concatenate(rows) if rows else np.zeros((0, 5), np.int64)
+        labels_seen = sorted({lab for _, lab in foreign.values() if lab >= 0})
+        classes = [str(c) for c in range(labels_seen[-1] + 1)] if labels_seen else []
+        manifest = Manifest(format="tar", count=len(index), classes=classes,
+                            source={"path": path, "foreign": True}, extra={"shards": [s.name for s in shards]})
+        return cls(p if p.is_dir() else p.parent, manifest, shards=shards, index=index, foreign=foreign)
+
+    def _open(self) -> None:
+        self._h_fds = {}
+
+    def _fd(self, shard: int) -> int:
+        fds = self._h_fds
+        if shard not in fds:
+            try:
+                fds[shard] = os.open(self.shards[shard], os.O_RDONLY)
+            except OSError as exc:
+                raise FormatError(f"{self.shards[shard]}: cannot open shard ({exc.strerror})") from None
+        return fds[shard]
+
+    def _drop_handles(self) -> None:
+        for fd in self.__dict__.pop("_h_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _pread(self, shard: int, off: int, size: int, i: int) -> bytes:
+        data = os.pread(self._fd(shard), size, off)
+        if len(data) != size:
+            raise CorruptSampleError(f"#{i}", f"shard {self.shards[shard].name} is truncated")
+        return data
+
+    def read(self, i: int) -> Sample:
+        i = self.check_index(i)
+        self._ensure_open()
+        shard, ioff, isize, joff, jsize = (int(v) for v in self.index[i])
+        payload = self._pread(shard, ioff, isize, i)
+        if self.foreign is None:
+            try:
+                rec = json.loads(self._pread(shard, joff, jsize, i))
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise CorruptSampleError(f"#{i}", f"json member is not valid JSON ({exc})") from None
+        else:
+            key, label = self.foreign[i]
+            rec = {"key": key, "encoding": sniff(payload) or "jpeg", "label": label, "boxes": [],
+                   "box_labels": [], "width": 0, "height": 0}
+            if joff >= 0:
+                try:
+                    extra = json.loads(self._pread(shard, joff, jsize, i))
+                except (ValueError, UnicodeDecodeError):
+                    extra = None
+                if isinstance(extra, dict):
+                    rec.update({k: extra[k] for k in ("boxes", "box_labels", "label", "width", "height",
+                                                      "checksum", "key") if k in extra})
+        return decode_stored(rec, payload, f"#{i}")
+
+    def units(self) -> list[range]:
+        if not len(self.index):
+            return []
+        cuts = np.flatnonzero(np.diff(self.index[:, 0])) + 1
+        bounds = [0, *cuts.tolist(), len(self.index)]
+        # Split big shards into blocks so a few shards still spread over many workers.
+        out = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            out += [range(s, min(s + 512, b)) for s in range(a, b, 512)]
+        return out
+
+
+FORMAT = FormatSpec(name="tar", suffixes=(".tar", ".wds"), writer=TarWriter, reader=TarReader, payload="encoded")

@@ -1,0 +1,74 @@
+"""The self-describing manifest (JSON) stored with every packed dataset."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packio.errors import FormatError
+
+MANIFEST_NAME = "packio.json"
+LAYOUT_VERSION = 1
+
+
+@dataclass
+class Manifest:
+    """What a packed dataset holds; enough to open it without packio's help."""
+
+    format: str
+    count: int
+    classes: list[str] = field(default_factory=list)
+    image: dict[str, Any] = field(default_factory=dict)  # encoding, size, resize spec
+    source: dict[str, Any] = field(default_factory=dict)  # path, csv, column map
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relpath -> bytes, blake2b
+    extra: dict[str, Any] = field(default_factory=dict)  # format-specific layout facts
+    summary: dict[str, Any] = field(default_factory=dict)  # packed / skipped counts
+    version: int = LAYOUT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> "Manifest":
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise FormatError(f"{where}: manifest is not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise FormatError(f"{where}: manifest is not a JSON object")
+        if raw.get("version") != LAYOUT_VERSION:
+            raise FormatError(
+                f"{where}: manifest version {raw.get('version')!r} is not supported by this "
+                f"packio (reads version {LAYOUT_VERSION}); upgrade packio or re-pack the data")
+        types = {"format": str, "count": int, "classes": list, "image": dict, "source": dict,
+                 "files": dict, "extra": dict, "summary": dict}
+        for name, typ in types.items():
+            if name in raw and not isinstance(raw[name], typ):
+                raise FormatError(f"{where}: manifest field {name!r} should be {typ.__name__}")
+        if "format" not in raw or "count" not in raw or raw["count"] < 0:
+            raise FormatError(f"{where}: manifest lacks 'format' or a valid 'count'")
+        if not all(isinstance(c, str) for c in raw.get("classes", [])):
+            raise FormatError(f"{where}: manifest 'classes' must be strings")
+        known = {k: raw[k] for k in (*types, "version") if k in raw}
+        return cls(**known)
+
+
+def file_digest(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def describe_files(root: Path, skip: tuple[str, ...] = (MANIFEST_NAME,)) -> dict[str, dict[str, Any]]:
+    """Size and checksum of every file below ``root`` (relative posix paths)."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in skip and not rel.endswith("lock.mdb"):
+            out[rel] = {"bytes": p.stat().st_size, "blake2b": file_digest(p)}
+    return out

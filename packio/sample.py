@@ -1,0 +1,121 @@
+"""The one sample schema shared by every format, and its stored record.
+
+A stored sample is a *payload* (encoded image bytes, or a ``uint8`` HWC array for
+pre-resized raw formats) plus a *record*: a small dict of plain JSON/msgpack types
+(never pickle) that every format stores next to the payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from packio.errors import CorruptSampleError
+
+ENCODINGS = ("jpeg", "png", "bmp", "webp", "raw")
+EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "webp": "webp", "raw": "npy"}
+
+Payload = "bytes | np.ndarray"
+
+
+def checksum(payload: bytes | memoryview | np.ndarray) -> str:
+    """Hex blake2b-64 of the payload bytes (for arrays: their C-order bytes)."""
+    if isinstance(payload, np.ndarray):
+        payload = np.ascontiguousarray(payload).data
+    return hashlib.blake2b(payload, digest_size=8).hexdigest()
+
+
+@dataclass
+class Sample:
+    """One image with its annotations.
+
+    ``boxes`` are ``float32[N, 4]`` in ``xmin, ymin, xmax, ymax`` pixels of the
+    stored image; ``box_labels`` are class indices into the manifest's ``classes``.
+    ``label`` is the image's class index, ``-1`` when it has none.
+    """
+
+    key: str
+    payload: bytes | np.ndarray
+    encoding: str
+    label: int = -1
+    boxes: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.float32))
+    box_labels: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.int64))
+    width: int = 0
+    height: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    checksum: str = ""
+
+    def record(self) -> dict[str, Any]:
+        """The stored record: plain types only, valid as JSON and msgpack."""
+        rec: dict[str, Any] = {
+            "key": self.key,
+            "encoding": self.encoding,
+            "label": int(self.label),
+            "boxes": np.asarray(self.boxes, np.float32).reshape(-1, 4).tolist(),
+            "box_labels": [int(v) for v in self.box_labels],
+            "width": int(self.width),
+            "height": int(self.height),
+            "checksum": self.checksum or checksum(self.payload),
+        }
+        if self.meta:
+            rec["meta"] = self.meta
+        return rec
+
+
+def _fail(rec: Any, reason: str) -> CorruptSampleError:
+    key = rec.get("key", "?") if isinstance(rec, dict) else "?"
+    return CorruptSampleError(str(key), f"bad record: {reason}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def sample_from_record(rec: Any, payload: bytes | np.ndarray) -> Sample:
+    """Validate a stored record (from an untrusted file) and build the Sample."""
+    if not isinstance(rec, dict):
+        raise _fail(rec, f"expected a map, found {type(rec).__name__}")
+    key = rec.get("key")
+    if not isinstance(key, str):
+        raise _fail(rec, "'key' is not a string")
+    encoding = rec.get("encoding")
+    if encoding not in ENCODINGS:
+        raise _fail(rec, f"unknown encoding {encoding!r}")
+    for name in ("label", "width", "height"):
+        if not _is_int(rec.get(name)):
+            raise _fail(rec, f"{name!r} is not an integer")
+    boxes = rec.get("boxes")
+    box_labels = rec.get("box_labels")
+    if not isinstance(boxes, list) or not isinstance(box_labels, list):
+        raise _fail(rec, "'boxes' / 'box_labels' are not lists")
+    if len(boxes) != len(box_labels):
+        raise _fail(rec, f"{len(boxes)} boxes but {len(box_labels)} box labels")
+    for b in boxes:
+        if (not isinstance(b, list) or len(b) != 4
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                           and math.isfinite(v) for v in b)):
+            raise _fail(rec, f"box {b!r} is not four finite numbers")
+    if not all(_is_int(v) for v in box_labels):
+        raise _fail(rec, "'box_labels' holds a non-integer")
+    meta = rec.get("meta", {})
+    if not isinstance(meta, dict):
+        raise _fail(rec, "'meta' is not a map")
+    digest = rec.get("checksum", "")
+    if not isinstance(digest, str):
+        raise _fail(rec, "'checksum' is not a string")
+    return Sample(
+        key=key,
+        payload=payload,
+        encoding=encoding,
+        label=rec["label"],
+        boxes=np.asarray(boxes, np.float32).reshape(-1, 4),
+        box_labels=np.asarray(box_labels, np.int64),
+        width=rec["width"],
+        height=rec["height"],
+        meta=meta,
+        checksum=digest,
+    )
