@@ -7,6 +7,7 @@ renamed into place only when complete.
 
 from __future__ import annotations
 
+import errno
 import functools
 import multiprocessing
 import os
@@ -261,6 +262,11 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
             _remove(old)
         else:
             os.rename(tmp, dst)
+    except OSError as exc:
+        writer.abort()
+        _remove(tmp)
+        raise PackioError(f"{dst}: writing failed ({exc.strerror or exc}); the partial output was removed"
+                          + ("; free some disk space and run again" if exc.errno == errno.ENOSPC else "")) from None
     except BaseException:
         writer.abort()
         _remove(tmp)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,14 @@ def _walk(root: Path, scan: Scan, exclude: set[str]) -> list[tuple[str, str]]:
                 continue
             if os.path.islink(full) and not os.path.exists(full):
                 scan.skip("broken or looping symlink", full)
+                continue
+            try:
+                regular = stat.S_ISREG(os.stat(full).st_mode)
+            except OSError as exc:
+                scan.skip("unreadable file", full, exc.strerror or "")
+                continue
+            if not regular:  # a FIFO or device would block or never end
+                scan.skip("not a regular file", full)
                 continue
             found.append((rel, full))
     return found

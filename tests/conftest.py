@@ -1,0 +1,67 @@
+"""Fixtures: small generated photo-like datasets, and the shared real ones."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simplejpeg
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def photo(h: int, w: int, seed: int) -> np.ndarray:
+    """A smooth, photo-like RGB image (gradients + blobs + mild noise)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.zeros((h, w, 3), np.float32)
+    for c in range(3):
+        fx, fy, ph = rng.uniform(0.005, 0.05, 2).tolist() + [rng.uniform(0, 6)]
+        img[..., c] = 128 + 90 * np.sin(x * fx + y * fy + ph)
+    img += rng.normal(0, 6, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def jpeg(h: int, w: int, seed: int, quality: int = 90) -> bytes:
+    return simplejpeg.encode_jpeg(photo(h, w, seed), quality=quality, colorsubsampling="420")
+
+
+def shared(name: str) -> Path:
+    p = SHARED / name
+    if not p.is_dir():
+        pytest.skip(f"{p} is absent")
+    return p
+
+
+@pytest.fixture
+def gen_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """Class folders (cats/dogs) with JPEGs of mixed sizes, a grayscale JPEG, a PNG,
+    a flat-name file with a space, plus a CSV of boxes (CRLF line ends)."""
+    import cv2
+
+    root = tmp_path / "images"
+    rows = []
+    n = 0
+    for cls in ("cats", "dogs"):
+        (root / cls).mkdir(parents=True)
+        for k in range(6):
+            h, w = 60 + 7 * k, 80 + 5 * k
+            name = f"{cls}/img {k}.jpg" if k == 0 else f"{cls}/{cls}_{k:02d}.jpg"
+            (root / name).write_bytes(jpeg(h, w, seed=n))
+            if k % 2 == 0:
+                for b in range(k // 2 + 1):
+                    rows.append([name.split("/")[-1], w, h, "box_" + cls, 2 + b, 3 + b, 30 + b, 40 + b])
+            n += 1
+    gray = photo(50, 70, 99)[..., 0]
+    (root / "cats" / "gray.jpeg").write_bytes(simplejpeg.encode_jpeg(gray[..., None].copy(), 90, colorspace="gray"))
+    ok, png = cv2.imencode(".png", photo(40, 48, 7))
+    (root / "dogs" / "pic.png").write_bytes(png.tobytes())
+    csv_path = tmp_path / "boxes.csv"
+    with open(csv_path, "w", newline="") as f:
+        wr = csv.writer(f, lineterminator="\r\n")
+        wr.writerow(["filename", "width", "height", "class", "xmin", "ymin", "xmax", "ymax"])
+        wr.writerows(rows)
+    return root, csv_path

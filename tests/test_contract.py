@@ -1,0 +1,154 @@
+"""One contract, run against every format in the registry."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import packio
+from packio import decode as dec
+from packio.formats import formats
+from packio.sources import scan_source
+
+FORMATS = sorted(formats())
+SUFFIX = {name: spec.suffixes[0] for name, spec in formats().items()}
+RESIZE = {"arrays": dec.ResizeSpec(size=(48, 64)), "bmp": dec.ResizeSpec(short_side=40)}
+
+
+def pack(src: Path, csv: Path | None, out: Path, fmt: str, **kw):
+    return packio.convert(src, out / f"ds{SUFFIX[fmt]}", csv=csv, resize=RESIZE.get(fmt), progress=False, **kw)
+
+
+@pytest.fixture(params=FORMATS)
+def packed(request, gen_folder, tmp_path):
+    src, csv = gen_folder
+    summary = pack(src, csv, tmp_path, request.param)
+    return request.param, Path(summary.output), src, csv, summary
+
+
+def expected(src: Path, csv: Path, fmt: str):
+    """What each stored sample must be, computed from the source files directly."""
+    scan = scan_source(src, csv)
+    spec = RESIZE.get(fmt)
+    out = {}
+    for it in scan.items:
+        data = Path(it.path).read_bytes()
+        boxes = np.asarray(it.boxes, np.float32).reshape(-1, 4)
+        if spec is None:
+            out[it.key] = (data, it.label, boxes, it.box_labels)
+        else:
+            img, b, keep = dec.apply_spec(dec.decode(data, apply_exif=True), boxes, spec)
+            out[it.key] = (img, it.label, b[keep], list(np.asarray(it.box_labels)[keep]))
+    return out, scan.classes
+
+
+def test_round_trip(packed):
+    fmt, path, src, csv, summary = packed
+    want, classes = expected(src, csv, fmt)
+    ds = packio.open_dataset(path, decode=False)
+    assert ds.reader.manifest.format == fmt
+    assert len(ds) == len(want) == summary.packed == 14
+    assert ds.classes == classes
+    seen = set()
+    for i in range(len(ds)):
+        s = ds.sample(i)
+        data, label, boxes, box_labels = want[s.key]
+        if isinstance(data, bytes):
+            assert s.payload == data  # byte for byte
+        else:
+            got = s.payload if isinstance(s.payload, np.ndarray) else dec.decode(s.payload)
+            np.testing.assert_array_equal(got, data)  # pixel for pixel (lossless BMP / raw)
+        assert s.label == label
+        np.testing.assert_allclose(s.boxes, boxes, rtol=1e-6)
+        assert list(s.box_labels) == list(box_labels)
+        seen.add(s.key)
+    assert seen == set(want)
+    # the decoded view agrees with the raw one
+    item = packio.open_dataset(path)[0]
+    assert item["image"].dtype == torch.uint8 and item["image"].shape[0] == 3
+
+
+def _loader_indices(ds, workers: int, ctx: str | None = None, batch: int = 4) -> list[int]:
+    kw = {"multiprocessing_context": ctx} if workers else {}
+    dl = packio.DataLoader(ds, batch_size=batch, num_workers=workers, **kw)
+    return [i for b in dl for i in b["index"].tolist()]
+
+
+def test_exactly_once_two_ranks_two_workers(packed):
+    fmt, path, *_ = packed
+    n = len(packio.open_dataset(path))
+    per_rank = []
+    for rank in range(2):
+        ds = packio.open_dataset(path, iterable=True, decode=False, shuffle=True, seed=3, rank=rank, world_size=2)
+        per_rank.append(_loader_indices(ds, workers=2, ctx="fork"))
+    assert not set(per_rank[0]) & set(per_rank[1])
+    assert sorted(per_rank[0] + per_rank[1]) == list(range(n))
+    for even, size in (("pad", (n + 1) // 2), ("drop", n // 2)):
+        counts = [len(packio.open_dataset(path, iterable=True, decode=False, rank=r, world_size=2, even=even))
+                  for r in range(2)]
+        assert counts == [size, size]
+
+
+def test_shuffle_is_seeded_and_changes_per_epoch(packed):
+    fmt, path, *_ = packed
+    a = packio.open_dataset(path, iterable=True, decode=False, shuffle=True, seed=1)
+    b = packio.open_dataset(path, iterable=True, decode=False, shuffle=True, seed=1)
+    first = [x["index"] for x in a]
+    assert first == [x["index"] for x in b]
+    assert sorted(first) == list(range(len(first)))
+    a.set_epoch(1)
+    assert [x["index"] for x in a] != first
+    s = packio.ResumableSampler(len(first), seed=1)
+    s2 = packio.ResumableSampler(len(first), seed=1)
+    assert list(s) == list(s2) and sorted(s) == list(range(len(first)))
+    s.set_epoch(1)
+    assert list(s) != list(s2)
+
+
+@pytest.mark.parametrize("workers_after", [0, 1, 2])
+def test_resume_mid_epoch(packed, workers_after):
+    fmt, path, *_ = packed
+    mk = lambda: packio.open_dataset(path, iterable=True, decode=False, shuffle=True, seed=5)  # noqa: E731
+    full = _loader_indices(mk(), workers=2, ctx="fork", batch=3)
+    ds = mk()
+    dl = packio.DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="fork")
+    taken = []
+    for k, b in enumerate(dl):
+        taken += b["index"].tolist()
+        if k == 1:
+            state = dl.state_dict()
+            break
+    assert state["consumed"] == len(taken) == 6
+    ds2 = mk()
+    dl2 = packio.DataLoader(ds2, batch_size=3, num_workers=workers_after,
+                            **({"multiprocessing_context": "fork"} if workers_after else {}))
+    dl2.load_state_dict(state)
+    rest = [i for b in dl2 for i in b["index"].tolist()]
+    assert taken + rest == full
+
+
+def test_map_style_spawn_workers(packed):
+    fmt, path, *_ = packed
+    ds = packio.open_dataset(path, resize=32)
+    ds[0]  # handles opened in the parent must not leak into workers
+    idx = _loader_indices(ds, workers=2, ctx="spawn")
+    assert sorted(idx) == list(range(len(ds)))
+    want = {ds.sample(i).key: ds.sample(i).label for i in range(len(ds))}
+    dl = packio.DataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context="fork",
+                           persistent_workers=True)
+    for _ in range(2):
+        for b in dl:
+            assert b["image"].shape[1:] == (3, 32, 32)
+            assert all(want[k] == int(lab) for k, lab in zip(b["key"], b["label"]))
+
+
+def test_map_style_fork_after_parent_read(packed):
+    fmt, path, *_ = packed
+    ds = packio.open_dataset(path, decode=False)
+    ds[len(ds) - 1]
+    assert sorted(_loader_indices(ds, workers=2, ctx="fork")) == list(range(len(ds)))
+    assert multiprocessing.get_start_method(allow_none=True) in (None, "fork", "spawn", "forkserver")
