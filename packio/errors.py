@@ -22,7 +22,11 @@ class FormatError(PackioError):
 class CorruptSampleError(PackioError):
     """One stored sample cannot be read back (bad record, bad bytes, checksum mismatch)."""
 
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"sample {key!r} is corrupt: {reason}")
+    def __init__(self, key: str, reason: str | None = None) -> None:
+        # One-argument form: a ready message (how DataLoader workers and pickling re-raise it).
+        super().__init__(key if reason is None else f"sample {key!r} is corrupt: {reason}")
         self.key = key
-        self.reason = reason
+        self.reason = reason or key
+
+    def __reduce__(self) -> tuple:
+        return (CorruptSampleError, (str(self),))

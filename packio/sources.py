@@ -181,9 +181,12 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
         if rel is None and len(by_base.get(name.rsplit("/", 1)[-1], [])) == 1:
             rel = by_base[name.rsplit("/", 1)[-1]][0]
         if rel is None:
+            ambiguous = len(by_base.get(name.rsplit("/", 1)[-1], [])) > 1
+            reason = ("CSV row names several files (give the path relative to the folder)" if ambiguous
+                      else "CSV row for a missing file")
             if strict:
-                raise SourceError(f"{row['where']}: names {name!r}, which is not in {root} (--strict)")
-            scan.skip("CSV row for a missing file", row["where"], name)
+                raise SourceError(f"{row['where']}: names {name!r}: {reason} (--strict)")
+            scan.skip(reason, row["where"], name)
             continue
         per_image.setdefault(rel, []).append(row)
 

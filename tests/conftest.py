@@ -39,29 +39,41 @@ def shared(name: str) -> Path:
 @pytest.fixture
 def gen_folder(tmp_path: Path) -> tuple[Path, Path]:
     """Class folders (cats/dogs) with JPEGs of mixed sizes, a grayscale JPEG, a PNG,
-    a flat-name file with a space, plus a CSV of boxes (CRLF line ends)."""
+    a name with a space, plus a CSV of boxes (CRLF line ends). The truth the
+    generator used is in ``TRUTH[root]``: key → (folder label, boxes, box classes)."""
     import cv2
 
     root = tmp_path / "images"
     rows = []
+    truth: dict[str, tuple[str, list[list[float]], list[str]]] = {}
     n = 0
     for cls in ("cats", "dogs"):
         (root / cls).mkdir(parents=True)
         for k in range(6):
             h, w = 60 + 7 * k, 80 + 5 * k
-            name = f"{cls}/img {k}.jpg" if k == 0 else f"{cls}/{cls}_{k:02d}.jpg"
+            name = f"{cls}/{cls[:-1]} {k}.jpg" if k == 0 else f"{cls}/{cls}_{k:02d}.jpg"
             (root / name).write_bytes(jpeg(h, w, seed=n))
+            truth[name] = (cls, [], [])
             if k % 2 == 0:
                 for b in range(k // 2 + 1):
-                    rows.append([name.split("/")[-1], w, h, "box_" + cls, 2 + b, 3 + b, 30 + b, 40 + b])
+                    box = [2.0 + b, 3.0 + b, 30.5 + b, 40.0 + b]
+                    rows.append([name.split("/")[-1], w, h, "box_" + cls, *box])
+                    truth[name][1].append(box)
+                    truth[name][2].append("box_" + cls)
             n += 1
     gray = photo(50, 70, 99)[..., 0]
     (root / "cats" / "gray.jpeg").write_bytes(simplejpeg.encode_jpeg(gray[..., None].copy(), 90, colorspace="gray"))
+    truth["cats/gray.jpeg"] = ("cats", [], [])
     ok, png = cv2.imencode(".png", photo(40, 48, 7))
     (root / "dogs" / "pic.png").write_bytes(png.tobytes())
+    truth["dogs/pic.png"] = ("dogs", [], [])
     csv_path = tmp_path / "boxes.csv"
     with open(csv_path, "w", newline="") as f:
         wr = csv.writer(f, lineterminator="\r\n")
         wr.writerow(["filename", "width", "height", "class", "xmin", "ymin", "xmax", "ymax"])
         wr.writerows(rows)
+    TRUTH[str(root)] = truth
     return root, csv_path
+
+
+TRUTH: dict[str, dict[str, tuple[str, list[list[float]], list[str]]]] = {}

@@ -12,7 +12,7 @@ import torch
 import packio
 from packio import decode as dec
 from packio.formats import formats
-from packio.sources import scan_source
+from conftest import TRUTH
 
 FORMATS = sorted(formats())
 SUFFIX = {name: spec.suffixes[0] for name, spec in formats().items()}
@@ -30,25 +30,27 @@ def packed(request, gen_folder, tmp_path):
     return request.param, Path(summary.output), src, csv, summary
 
 
-def expected(src: Path, csv: Path, fmt: str):
-    """What each stored sample must be, computed from the source files directly."""
-    scan = scan_source(src, csv)
+def expected(src: Path, fmt: str):
+    """What each stored sample must be, from the generator's own truth and the files."""
+    truth = TRUTH[str(src)]
+    classes = sorted({t[0] for t in truth.values()} | {c for t in truth.values() for c in t[2]})
     spec = RESIZE.get(fmt)
     out = {}
-    for it in scan.items:
-        data = Path(it.path).read_bytes()
-        boxes = np.asarray(it.boxes, np.float32).reshape(-1, 4)
+    for key, (label, boxes, box_classes) in truth.items():
+        data = (src / key).read_bytes()
+        b = np.asarray(boxes, np.float32).reshape(-1, 4)
+        box_labels = [classes.index(c) for c in box_classes]
         if spec is None:
-            out[it.key] = (data, it.label, boxes, it.box_labels)
+            out[key] = (data, classes.index(label), b, box_labels)
         else:
-            img, b, keep = dec.apply_spec(dec.decode(data, apply_exif=True), boxes, spec)
-            out[it.key] = (img, it.label, b[keep], list(np.asarray(it.box_labels)[keep]))
-    return out, scan.classes
+            img, b2, keep = dec.apply_spec(dec.decode(data, apply_exif=True), b, spec)
+            out[key] = (img, classes.index(label), b2[keep], list(np.asarray(box_labels, np.int64)[keep]))
+    return out, classes
 
 
 def test_round_trip(packed):
     fmt, path, src, csv, summary = packed
-    want, classes = expected(src, csv, fmt)
+    want, classes = expected(src, fmt)
     ds = packio.open_dataset(path, decode=False)
     assert ds.reader.manifest.format == fmt
     assert len(ds) == len(want) == summary.packed == 14
@@ -65,8 +67,10 @@ def test_round_trip(packed):
         assert s.label == label
         np.testing.assert_allclose(s.boxes, boxes, rtol=1e-6)
         assert list(s.box_labels) == list(box_labels)
+        assert (s.width, s.height) != (0, 0)
         seen.add(s.key)
     assert seen == set(want)
+    assert not summary.skipped
     # the decoded view agrees with the raw one
     item = packio.open_dataset(path)[0]
     assert item["image"].dtype == torch.uint8 and item["image"].shape[0] == 3
