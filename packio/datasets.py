@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio import decode as dec
+from packio.collation import ragged
 from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.formats import open_reader
 from packio.formats.base import Reader
@@ -30,6 +31,13 @@ def _hw(resize: Size) -> tuple[int, int] | None:
     return int(h), int(w)
 
 
+class DeferredImages:
+    """Placeholder a worker sends instead of pixels; ``packio.DataLoader`` fills it in."""
+
+    def __init__(self, indices: np.ndarray) -> None:
+        self.indices = indices
+
+
 class _Items:
     """Turns stored samples into the dicts a training loop gets."""
 
@@ -45,6 +53,8 @@ class _Items:
         self.decode, self.size, self.transform = decode, _hw(resize), transform
         self.backend, self.on_error, self.verify = backend, on_error, verify
         self.errors = 0
+        self.defer_images = False  # set by packio.DataLoader, which knows how to fill them in
+
 
     def item(self, i: int, s: Sample) -> dict[str, Any]:
         if self.verify and s.checksum and checksum(s.payload) != s.checksum:
@@ -70,6 +80,37 @@ class _Items:
                 image = self.transform(image)
         return {"image": image, "label": s.label, "boxes": torch.from_numpy(np.asarray(boxes, np.float32)),
                 "box_labels": torch.from_numpy(s.box_labels), "key": s.key, "index": i}
+
+    def batch(self, indices: list[int]) -> dict[str, Any] | None:
+        """A whole collated batch straight from the reader, when its format has a
+        fast path and nothing needs per-sample work; else None.
+
+        In a worker of ``packio.DataLoader`` the images are left out (``DeferredImages``)
+        and gathered from the memory map by the main process: a page-cached gather
+        costs less than moving the pixels through shared memory (measured here:
+        torch's worker → main transfer of a 64x224x224x3 batch caps at 5-7k samples/s)."""
+        shape = (self.reader.manifest.image or {}).get("shape")
+        if (not self.decode or self.transform is not None or self.verify or not shape or len(indices) < 2
+                or (self.size is not None and tuple(self.size) != tuple(shape[:2]))):
+            return None
+        defer = self.defer_images and get_worker_info() is not None
+        try:
+            got = self.reader.read_batch(indices, images=not defer)
+        except PackioError:
+            return None  # the per-sample path finds and reports the bad one
+        if got is None:
+            return None
+        index = torch.from_numpy(got["index"])
+        image: Any = DeferredImages(got["index"]) if defer else self.images_tensor(got["image"])
+        return {"image": image, "label": torch.from_numpy(got["label"]),
+                "boxes": ragged([torch.from_numpy(b) for b in got["boxes"]]),
+                "box_labels": ragged([torch.from_numpy(b) for b in got["box_labels"]]),
+                "key": got["key"], "index": index}
+
+    @staticmethod
+    def images_tensor(hwc: np.ndarray) -> torch.Tensor:
+        # NCHW shape in channels_last memory: no transpose copy.
+        return torch.from_numpy(hwc).permute(0, 3, 1, 2)
 
     def get(self, indices: list[int]) -> list[dict[str, Any] | None]:
         try:
@@ -133,9 +174,11 @@ class PackedDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any] | None:
         return self.items.get([self.reader.check_index(i)])[0]
 
-    def __getitems__(self, indices: list[int]) -> list[dict[str, Any] | None]:
-        """Batch read (the DataLoader calls this with a batch's indices)."""
-        return self.items.get([self.reader.check_index(i) for i in indices])
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any] | None] | dict[str, Any]:
+        """Batch read (the DataLoader calls this with a batch's indices). Fixed-shape
+        raw formats return the collated batch itself (``packio.collate`` passes it on)."""
+        indices = [self.reader.check_index(i) for i in indices]
+        return self.items.batch(indices) or self.items.get(indices)
 
     def sample(self, i: int) -> Sample:
         """The stored sample itself (payload bytes/array and record), undecoded."""
@@ -285,6 +328,8 @@ class DataLoader(torch.utils.data.DataLoader):
         kwargs.setdefault("collate_fn", collate)
         if isinstance(dataset, PackedIterableDataset):
             dataset.batch_size = batch_size  # chunking that keeps the loader's order = the rank's sequence
+        if isinstance(dataset, PackedDataset) and kwargs.get("num_workers", 0) > 0:
+            dataset.items.defer_images = True  # this loader fills DeferredImages in (see _Items.batch)
         super().__init__(dataset, batch_size=batch_size, **kwargs)
         self._consumed = 0
 
@@ -300,6 +345,11 @@ class DataLoader(torch.utils.data.DataLoader):
             self.sampler, ResumableSampler) else None
         self._consumed = getattr(target, "_start", 0)
         for batch in super().__iter__():
+            if isinstance(batch, dict) and isinstance(batch.get("image"), DeferredImages):
+                items = self.dataset.items
+                batch["image"] = items.images_tensor(items.reader.gather(batch["image"].indices))
+                if self.pin_memory:
+                    batch["image"] = batch["image"].pin_memory()
             self._consumed += len(batch["label"]) if isinstance(batch, dict) else len(batch)
             yield batch
         if target is not None:

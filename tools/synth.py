@@ -24,21 +24,33 @@ def photo(h: int, w: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def make_photo_folder(root: Path, count: int = 5000, *, classes: int = 10, size=(400, 600), quality: int = 90,
-                      seed: int = 0, with_csv: bool = True) -> tuple[Path, Path | None]:
+                      seed: int = 0, with_csv: bool = True, noise: float = 12.0) -> tuple[Path, Path | None]:
     """``root/class_k/img_nnnnnn.jpg`` (sizes uniformly within ``size``) and a CSV of 1-3 boxes each."""
     import simplejpeg
 
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     rows = []
+    side = size[1] + 32
+    # A bank of smooth backgrounds and of noise, cropped at random offsets per image:
+    # photo-like content at ~3 ms an image instead of ~30 ms for a fresh one.
+    bank = [photo(side, side, rng).astype(np.int16) for _ in range(16)]
+    grain = rng.normal(0, noise, (side, side, 3)).astype(np.int16)
     for i in range(count):
         c = i % classes
-        h, w = (int(v) for v in rng.integers(size[0], size[1] + 1, 2)) if size[0] != size[1] else (size[0],) * 2
-        h = min(h, int(w * 1.0)) if h > w else h
+        h, w = (int(v) for v in rng.integers(size[0], size[1] + 1, 2))
+        y0, x0 = (int(v) for v in rng.integers(0, 32, 2))
+        img = bank[int(rng.integers(len(bank)))][y0:y0 + h, x0:x0 + w]
+        ny, nx = (int(v) for v in rng.integers(0, side - max(h, w) + 1, 2))
+        gain = rng.uniform(0.7, 1.3, 3).astype(np.float32)
+        img = np.clip(img * gain + grain[ny:ny + h, nx:nx + w], 0, 255).astype(np.uint8)
+        if rng.random() < 0.5:
+            img = img[:, ::-1]
+        img = np.ascontiguousarray(img)
         d = root / f"class_{c:02d}"
         d.mkdir(exist_ok=True)
         name = f"img_{i:06d}.jpg"
-        (d / name).write_bytes(simplejpeg.encode_jpeg(photo(h, w, rng), quality=quality, colorsubsampling="420"))
+        (d / name).write_bytes(simplejpeg.encode_jpeg(img, quality=quality, colorsubsampling="420"))
         for _ in range(int(rng.integers(1, 4))):
             x0, y0 = rng.uniform(0, w * 0.6), rng.uniform(0, h * 0.6)
             rows.append([f"class_{c:02d}/{name}", w, h, f"obj{int(rng.integers(0, 3))}", round(x0, 1), round(y0, 1),
