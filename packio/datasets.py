@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -11,7 +12,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio import decode as dec
-from packio.collation import ragged
+from packio.collation import collate, ragged, unpack
 from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.formats import open_reader
 from packio.formats.base import Reader
@@ -31,10 +32,11 @@ def _hw(resize: Size) -> tuple[int, int] | None:
     return int(h), int(w)
 
 
-class DeferredImages:
-    """Placeholder a worker sends instead of pixels; ``packio.DataLoader`` fills it in."""
+class DeferredBatch:
+    """What a worker of ``packio.DataLoader`` sends for a memory-mapped batch: only the
+    indices; the main process reads the batch itself (see ``_Items.batch``)."""
 
-    def __init__(self, indices: np.ndarray) -> None:
+    def __init__(self, indices: list[int]) -> None:
         self.indices = indices
 
 
@@ -81,31 +83,31 @@ class _Items:
         return {"image": image, "label": s.label, "boxes": torch.from_numpy(np.asarray(boxes, np.float32)),
                 "box_labels": torch.from_numpy(s.box_labels), "key": s.key, "index": i}
 
-    def batch(self, indices: list[int]) -> dict[str, Any] | None:
+    def batch(self, indices: list[int]) -> dict[str, Any] | DeferredBatch | None:
         """A whole collated batch straight from the reader, when its format has a
         fast path and nothing needs per-sample work; else None.
 
-        In a worker of ``packio.DataLoader`` the images are left out (``DeferredImages``)
-        and gathered from the memory map by the main process: a page-cached gather
-        costs less than moving the pixels through shared memory (measured here:
-        torch's worker → main transfer of a 64x224x224x3 batch caps at 5-7k samples/s)."""
+        For memory-mapped formats in a worker of ``packio.DataLoader``, only the
+        indices go back: reading a page-cached batch in the main process (~50k
+        samples/s here) beats every way of moving it between processes (torch's
+        shared-memory transfer of 64x224x224x3 batches caps at 5-7k samples/s here,
+        and on 2 cores the workers compete with the main process for the CPU)."""
         shape = (self.reader.manifest.image or {}).get("shape")
         if (not self.decode or self.transform is not None or self.verify or not shape or len(indices) < 2
                 or (self.size is not None and tuple(self.size) != tuple(shape[:2]))):
             return None
-        defer = self.defer_images and get_worker_info() is not None
+        if self.defer_images and self.reader.cheap_gather and get_worker_info() is not None:
+            return DeferredBatch(indices)
         try:
-            got = self.reader.read_batch(indices, images=not defer)
+            got = self.reader.read_batch(indices)
         except PackioError:
             return None  # the per-sample path finds and reports the bad one
         if got is None:
             return None
-        index = torch.from_numpy(got["index"])
-        image: Any = DeferredImages(got["index"]) if defer else self.images_tensor(got["image"])
-        return {"image": image, "label": torch.from_numpy(got["label"]),
+        return {"image": self.images_tensor(got["image"]), "label": torch.from_numpy(got["label"]),
                 "boxes": ragged([torch.from_numpy(b) for b in got["boxes"]]),
                 "box_labels": ragged([torch.from_numpy(b) for b in got["box_labels"]]),
-                "key": got["key"], "index": index}
+                "key": got["key"], "index": torch.from_numpy(got["index"])}
 
     @staticmethod
     def images_tensor(hwc: np.ndarray) -> torch.Tensor:
@@ -174,9 +176,10 @@ class PackedDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any] | None:
         return self.items.get([self.reader.check_index(i)])[0]
 
-    def __getitems__(self, indices: list[int]) -> list[dict[str, Any] | None] | dict[str, Any]:
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any] | None] | dict[str, Any] | DeferredBatch:
         """Batch read (the DataLoader calls this with a batch's indices). Fixed-shape
-        raw formats return the collated batch itself (``packio.collate`` passes it on)."""
+        raw formats return the collated batch itself, or a ``DeferredBatch`` (``packio.collate``
+        passes both on)."""
         indices = [self.reader.check_index(i) for i in indices]
         return self.items.batch(indices) or self.items.get(indices)
 
@@ -323,12 +326,11 @@ class DataLoader(torch.utils.data.DataLoader):
     count into the dataset's (iterable) or sampler's (map-style) resume point."""
 
     def __init__(self, dataset: Any, batch_size: int = 1, **kwargs: Any) -> None:
-        from packio.collation import collate
-
-        kwargs.setdefault("collate_fn", collate)
+        workers = kwargs.get("num_workers", 0) > 0
+        kwargs.setdefault("collate_fn", functools.partial(collate, packed=True) if workers else collate)
         if isinstance(dataset, PackedIterableDataset):
             dataset.batch_size = batch_size  # chunking that keeps the loader's order = the rank's sequence
-        if isinstance(dataset, PackedDataset) and kwargs.get("num_workers", 0) > 0:
+        if isinstance(dataset, PackedDataset) and workers:
             dataset.items.defer_images = True  # this loader fills DeferredImages in (see _Items.batch)
         super().__init__(dataset, batch_size=batch_size, **kwargs)
         self._consumed = 0
@@ -345,11 +347,11 @@ class DataLoader(torch.utils.data.DataLoader):
             self.sampler, ResumableSampler) else None
         self._consumed = getattr(target, "_start", 0)
         for batch in super().__iter__():
-            if isinstance(batch, dict) and isinstance(batch.get("image"), DeferredImages):
-                items = self.dataset.items
-                batch["image"] = items.images_tensor(items.reader.gather(batch["image"].indices))
+            if isinstance(batch, DeferredBatch):
+                batch = self.dataset.items.batch(batch.indices) or collate(self.dataset.items.get(batch.indices))
                 if self.pin_memory:
                     batch["image"] = batch["image"].pin_memory()
+            batch = unpack(batch)
             self._consumed += len(batch["label"]) if isinstance(batch, dict) else len(batch)
             yield batch
         if target is not None:

@@ -76,6 +76,8 @@ class ArrayWriter(Writer):
 
 
 class ArrayReader(Reader):
+    cheap_gather = True
+
     def _open(self) -> None:
         try:
             images = np.load(self.path / "images.npy", mmap_mode="r", allow_pickle=False)
@@ -127,12 +129,12 @@ class ArrayReader(Reader):
         return [decode_stored(RecordFile.get(self._h_idx, self._h_blob, int(i)), block[j], f"#{i}")
                 for j, i in enumerate(idx)]
 
-    def read_batch(self, indices: list[int], images: bool = True) -> dict[str, Any] | None:
+    def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
         self._ensure_open()
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
         labels, boxes, box_labels, off, keys = self._meta()
         a, b = off[idx], off[idx + 1]
-        return {"image": self.gather(idx) if images else None, "label": labels[idx],
+        return {"image": self.gather(idx), "label": labels[idx],
                 "boxes": [boxes[i:j] for i, j in zip(a.tolist(), b.tolist())],
                 "box_labels": [box_labels[i:j] for i, j in zip(a.tolist(), b.tolist())],
                 "key": keys[idx].tolist(), "index": idx}

@@ -122,9 +122,10 @@ class Reader(ABC):
     def read_many(self, indices: list[int]) -> list[Sample]:
         return [self.read(i) for i in indices]
 
-    def read_batch(self, indices: list[int], images: bool = True) -> dict[str, Any] | None:
-        """Whole-batch fast path of fixed-shape raw formats: ``image`` uint8[B, H, W, 3]
-        (``None`` with ``images=False``: fetch them later with ``gather``),
+    cheap_gather: bool = False  # True: reading a batch from a page-cached map beats sending it between processes
+
+    def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
+        """Whole-batch fast path of fixed-shape raw formats: ``image`` uint8[B, H, W, 3],
         ``label`` int64[B], ``boxes`` /
         ``box_labels`` lists, ``key`` list. ``None`` where the format has none."""
         return None
