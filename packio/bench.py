@@ -2,9 +2,12 @@
 naive per-file baseline. ``packio bench --help`` / ``tools/bench_formats.py --help``.
 
 Every read measurement runs in a fresh subprocess (isolated RSS, page cache state
-and worker pools); figures are medians of interleaved repeats. Throughput is
-steady state: samples after the first batch over the time after it (worker
-start-up is reported apart, as ``first batch s``).
+and worker pools); figures are medians of interleaved repeats. Warm: the files are
+read once into the page cache, the loader (persistent workers) runs an untimed
+warm-up, then one whole epoch is timed. Cold: the files are evicted
+(POSIX_FADV_DONTNEED, checked with mincore), then a fresh epoch is timed after its
+first batch (start-up is reported apart, as ``first batch s``). Peak RSS counts
+mapped file pages (LMDB, memory maps).
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ class NaiveDataset:
                 "label": self.classes.index(path.parent.name), "boxes": torch.tensor(boxes).reshape(-1, 4)}
 
 
-def _wds_loader(path: str, workers: int):
+def _wds_loader(path: str, workers: int, persistent: bool = False):
     import webdataset as wds
 
     from packio import decode as dec
@@ -190,7 +193,7 @@ def _wds_loader(path: str, workers: int):
 
     ds = (wds.WebDataset(shards, shardshuffle=len(shards), nodesplitter=wds.split_by_node, empty_check=False)
           .shuffle(1000).map(to_tensor).batched(BATCH))
-    return wds.WebLoader(ds, batch_size=None, num_workers=workers)
+    return wds.WebLoader(ds, batch_size=None, num_workers=workers, persistent_workers=persistent and workers > 0)
 
 
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -208,9 +211,12 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
 
     sys.addaudithook(hook)
     out: dict[str, Any] = {}
-    if cfg.get("cold"):
+    cold = bool(cfg.get("cold"))
+    if cold:
         evict(Path(root))
         out["resident_after_evict"] = resident_fraction(Path(root))
+    else:
+        warm_cache(Path(root))
     import cv2
 
     cv2.setNumThreads(1)
@@ -230,30 +236,41 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         out.update(p50_us=float(np.percentile(lat, 50) * 1e6), p99_us=float(np.percentile(lat, 99) * 1e6),
                    opens_per_sample=opens.value / len(idx))
         return out
+    # Warm: persistent workers, an untimed warm-up (start-up, maps, lazy opens), then one
+    # timed epoch. Cold: a fresh epoch right after eviction, timed after its first batch.
+    common: dict[str, Any] = {"num_workers": workers}
+    if workers:
+        common.update(worker_init_fn=init, persistent_workers=not cold)
     if kind == "naive":
         import torch.utils.data as tud
 
         ds = NaiveDataset(root, cfg.get("csv"))
         if limit:
             ds = tud.Subset(ds, range(min(limit, len(ds))))
-        loader = tud.DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers, worker_init_fn=init,
+        loader = tud.DataLoader(ds, batch_size=BATCH, shuffle=True,
                                 collate_fn=lambda b: {"image": torch.stack([x["image"] for x in b]),
-                                                      "label": torch.tensor([x["label"] for x in b])})
+                                                      "label": torch.tensor([x["label"] for x in b])}, **common)
         n_total = len(ds)
     elif kind == "webdataset":
-        loader = _wds_loader(root, workers)
+        loader = _wds_loader(root, workers, persistent=not cold)
         n_total = None
     else:
         import packio
 
         resize = SIZE if cfg["workload"] == "W1" else None
+        threads = int(cfg.get("threads", 0))
         if kind == "packio-iter":
-            ds = packio.open_dataset(root, iterable=True, shuffle=True, resize=resize)
-            loader = packio.DataLoader(ds, batch_size=BATCH, num_workers=workers, worker_init_fn=init)
+            ds = packio.open_dataset(root, iterable=True, shuffle=True, resize=resize, threads=threads)
+            loader = packio.DataLoader(ds, batch_size=BATCH, **common)
         else:
-            ds = packio.open_dataset(root, resize=resize)
-            loader = packio.DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers, worker_init_fn=init)
+            ds = packio.open_dataset(root, resize=resize, threads=threads)
+            loader = packio.DataLoader(ds, batch_size=BATCH, shuffle=True, **common)
         n_total = len(ds)
+    if not cold:
+        warmup = None if cfg["workload"] == "W2" else 10
+        for k, _ in enumerate(loader):
+            if warmup is not None and k + 1 >= warmup:
+                break
     t0 = time.perf_counter()
     n = 0
     t_first = n_first = None
@@ -263,11 +280,20 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         if t_first is None:
             t_first, n_first = time.perf_counter(), n
     t_end = time.perf_counter()
+    rate = (n - n_first) / (t_end - t_first) if cold else n / (t_end - t0)
     ru_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     ru_child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    out.update(samples=n, expected=n_total, rate=(n - n_first) / (t_end - t_first), first_batch_s=t_first - t0,
+    out.update(samples=n, expected=n_total, rate=rate, first_batch_s=t_first - t0,
                opens_per_sample=opens.value / max(n, 1), peak_rss_mb=(ru_self + ru_child) / 1024)
     return out
+
+
+def warm_cache(root: Path) -> None:
+    """Read every file of the dataset once so that its pages are in the page cache."""
+    for p in _files(root):
+        with open(p, "rb", buffering=0) as f:
+            while f.read(1 << 24):
+                pass
 
 
 def run_child(cfg: dict[str, Any], timeout: int = 900) -> dict[str, Any]:
@@ -395,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         for w in workers:
             runs.append({"label": name + (" (iterable)" if kind == "packio-iter" else ""), "kind": kind,
                          "path": packed[name]["path"], "workload": "W1", "workers": w, "cold": False})
+    for name in (["lmdb"] if a.quick else ["lmdb", "hdf5", "tar", "lmdb-pre256"]):  # decode threads, no workers
+        runs.append({"label": f"{name} + {ncpu} decode threads", "kind": "packio", "path": packed[name]["path"],
+                     "workload": "W1", "workers": 0, "threads": ncpu, "cold": False})
     for w in workers:
         runs.append({"label": "naive per-file PIL + CSV", "kind": "naive", "path": str(src),
                      "csv": str(csv_path) if csv_path else None, "workload": "W1", "workers": w, "cold": False,
@@ -415,13 +444,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, wl, ws in (("lmdb", "W1", [max(workers)]), ("tar", "W1", [max(workers)]),
                              ("hdf5", "W1", [max(workers)]), ("arrays-224", "W2", workers)):
             for w in ws:
-                for cold in (False, True):
-                    runs.append({"label": name, "kind": "packio", "path": packed[name]["path"], "workload": wl,
-                                 "workers": w, "cold": cold, "pair": True})
+                runs.append({"label": name, "kind": "packio", "path": packed[name]["path"], "workload": wl,
+                             "workers": w, "cold": True})
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(runs))}
     for rep in range(repeats):
         for i, cfg in enumerate(runs):
-            results[i].append(run_child({k: v for k, v in cfg.items() if k not in ("label", "pair")}))
+            results[i].append(run_child({k: v for k, v in cfg.items() if k != "label"}))
         print(f"repeat {rep + 1}/{repeats} done", flush=True)
     random_runs = []
     for name in ("lmdb", "hdf5", "tar", "bmp-256", "arrays-224"):

@@ -28,7 +28,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=parse_columns(a.csv_columns),
                       workers=a.workers, strict=a.strict, resize=spec, quality=a.quality,
                       overwrite=a.overwrite, shard_samples=a.shard_samples, shard_bytes=a.shard_bytes,
-                      progress=False if a.quiet else None)
+                      progress=False if a.quiet else None, scheduler=a.scheduler, parts=a.parts)
     shown = summary.problems if a.verbose else summary.problems[:20]
     for line in shown:
         print(f"skipped: {line}", file=sys.stderr)
@@ -89,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--csv", help="CSV of annotation rows (filename,class,xmin,ymin,xmax,ymax,...)")
     c.add_argument("--csv-columns", metavar="MAP",
                    help="map fields to your CSV's columns, e.g. filename=path,class=cell_type")
-    c.add_argument("--workers", type=int, default=0, help="processes reading/checking inputs (default 0)")
+    c.add_argument("--workers", type=int, default=0, help="local processes reading/checking inputs (default 0)")
+    c.add_argument("--scheduler", metavar="ADDR",
+                   help="Dask scheduler (tcp://host:8786): pack partitions as parts on the cluster (packio[dask])")
+    c.add_argument("--parts", type=int, help="with --scheduler: number of parts (default 4 per Dask worker)")
     c.add_argument("--strict", action="store_true", help="fail on any skipped input instead of counting it")
     c.add_argument("--size", type=_hw, metavar="HxW", help="pre-resize every image to HxW")
     c.add_argument("--short-side", type=int, metavar="N", help="pre-resize so the short side is N (keeps aspect)")

@@ -25,7 +25,7 @@ from packio import decode as dec
 from packio.errors import OutputExistsError, PackioError, SourceError
 from packio.formats import format_for_path, get_format, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
-from packio.manifest import MANIFEST_NAME, Manifest
+from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, checksum
 from packio.sources import SourceItem, scan_source
 
@@ -178,12 +178,18 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
             columns: dict[str, str] | None = None, workers: int = 0, strict: bool = False,
             resize: dec.ResizeSpec | None = None, quality: int = 90, overwrite: bool = False,
             shard_samples: int = 10_000, shard_bytes: int = 1 << 30, progress: bool | None = None,
-            max_pixels: int = dec.MAX_PIXELS) -> Summary:
+            max_pixels: int = dec.MAX_PIXELS, scheduler: Any = None, parts: int | None = None) -> Summary:
     """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
 
     The format comes from ``format`` or ``dst``'s suffix. Bad inputs are skipped
     and counted in the returned Summary; ``strict=True`` turns any skip into a
     ``SourceError``. ``dst`` appears only when complete.
+
+    ``workers=N``: N local processes read and check inputs; one process writes.
+    ``scheduler``: a Dask scheduler address (``"tcp://host:8786"``), ``Client`` or
+    cluster: the listing is split into ``parts`` contiguous partitions, each packed
+    by one task into its own part; the parts are committed under one manifest once
+    all of them are complete (needs ``pip install 'packio[dask]'``).
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(str(dst).rstrip("/"))
@@ -219,41 +225,25 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         classes, tasks = scan.classes, scan.items
         fn = functools.partial(_prepare_file, _Prep(payload, resize, quality, max_pixels))
         source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
+    image = {"payload": payload, "resize": resize.to_json() if resize.active else None,
+             "quality": quality if resize.active else None,
+             "shape": list(resize.fixed_shape) + [3] if resize.fixed_shape else None}
+    job = _Job(spec.name, WriteOptions(shard_samples=shard_samples, shard_bytes=shard_bytes,
+                                       fixed_shape=resize.fixed_shape if payload == "raw" else None),
+               classes, image, source_info, strict)
 
     _clean_stale(dst)
     tmp = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    options = WriteOptions(shard_samples=shard_samples, shard_bytes=shard_bytes,
-                           fixed_shape=resize.fixed_shape if payload == "raw" else None)
-    writer = spec.writer(tmp, options)
-    seen: set[str] = set()
-    dup = 0
     try:
-        with _progress(len(tasks), progress) as bar:
-            for sample, reason, where in _results(fn, tasks, workers):
-                bar.update(1)
-                if sample is None:
-                    if strict:
-                        raise SourceError(f"{where}: {reason} (--strict)")
-                    summary.skipped[reason] += 1
-                    summary.problems.append(f"{where}: {reason}")
-                    continue
-                dup += sample.checksum in seen
-                seen.add(sample.checksum)
-                writer.add(sample)
-        if strict and summary.skipped:
-            raise SourceError(f"{sum(summary.skipped.values())} inputs were skipped (--strict): "
-                              + "; ".join(summary.problems[:5]))
-        extra = writer.close()
-        summary.packed = writer.count
-        summary.info["duplicate_content"] = dup
-        image = {"payload": payload, "resize": resize.to_json() if resize.active else None,
-                 "quality": quality if resize.active else None,
-                 "shape": list(resize.fixed_shape) + [3] if resize.fixed_shape else None}
-        manifest = Manifest(format=spec.name, count=writer.count, classes=classes, image=image,
-                            source=source_info, extra=extra,
-                            summary={"packed": writer.count, "skipped": dict(summary.skipped),
-                                     "duplicate_content": dup})
-        writer.write_manifest(manifest)
+        if scheduler is None:
+            part = _write_part(job, fn, tasks, tmp, workers=workers, progress=progress,
+                               skipped=Counter(summary.skipped))
+        else:
+            part = _write_parts(job, fn, tasks, tmp, scheduler, parts, progress, Counter(summary.skipped))
+        summary.skipped = Counter(part["skipped"])
+        summary.problems += part["problems"]
+        summary.packed = part["count"]
+        summary.info["duplicate_content"] = part["duplicate_content"]
         _fsync_tree(tmp)
         if dst.exists():  # overwrite: swap in the new output, then drop the old one
             old = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-old")
@@ -263,17 +253,125 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         else:
             os.rename(tmp, dst)
     except OSError as exc:
-        writer.abort()
         _remove(tmp)
         raise PackioError(f"{dst}: writing failed ({exc.strerror or exc}); the partial output was removed"
                           + ("; free some disk space and run again" if exc.errno == errno.ENOSPC else "")) from None
     except BaseException:
-        writer.abort()
         _remove(tmp)
         raise
     summary.bytes = _size(dst)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every part of one conversion shares."""
+
+    format: str
+    options: WriteOptions
+    classes: list[str]
+    image: dict[str, Any]
+    source: dict[str, Any]
+    strict: bool
+
+
+def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: Path, *, workers: int = 0,
+                progress: bool | None = False, skipped: Counter[str] | None = None) -> dict[str, Any]:
+    """Write ``tasks`` as one complete, self-describing dataset at ``path``."""
+    spec = get_format(job.format)
+    skipped = Counter(skipped or {})
+    problems: list[str] = []
+    writer = spec.writer(path, job.options)
+    seen: set[str] = set()
+    dup = 0
+    try:
+        with _progress(len(tasks), progress) as bar:
+            for sample, reason, where in _results(fn, tasks, workers):
+                bar.update(1)
+                if sample is None:
+                    if job.strict:
+                        raise SourceError(f"{where}: {reason} (--strict)")
+                    skipped[reason] += 1
+                    problems.append(f"{where}: {reason}")
+                    continue
+                dup += sample.checksum in seen
+                seen.add(sample.checksum)
+                writer.add(sample)
+        if job.strict and skipped:
+            raise SourceError(f"{sum(skipped.values())} inputs were skipped (--strict): " + "; ".join(problems[:5]))
+        extra = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    manifest = Manifest(format=job.format, count=writer.count, classes=job.classes, image=job.image,
+                        source=job.source, extra=extra,
+                        summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup})
+    writer.write_manifest(manifest)
+    return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup}
+
+
+def _pack_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: str) -> dict[str, Any]:
+    """One Dask task: write one part atomically (a retried task starts clean)."""
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    _remove(final)
+    try:
+        out = _write_part(job, fn, tasks, tmp)
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return out
+
+
+def _client(scheduler: Any) -> tuple[Any, bool]:
+    try:
+        from dask.distributed import Client
+    except ImportError:
+        raise PackioError("distributed conversion needs Dask: pip install 'packio[dask]'") from None
+    if isinstance(scheduler, Client):
+        return scheduler, False
+    return Client(scheduler), True
+
+
+def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root: Path, scheduler: Any,
+                 parts: int | None, progress: bool | None, skipped: Counter[str]) -> dict[str, Any]:
+    """Pack contiguous partitions as Dask tasks into ``root/part-NNNNN<suffix>``,
+    then write the top manifest that lists them (only when every part is done)."""
+    from dask.distributed import as_completed
+
+    client, owned = _client(scheduler)
+    try:
+        nworkers = max(1, len(client.scheduler_info().get("workers", {})))
+        k = max(1, min(parts or 4 * nworkers, len(tasks) or 1))
+        bounds = np.linspace(0, len(tasks), k + 1).astype(int)
+        suffix = get_format(job.format).suffixes[0]
+        root.mkdir(parents=True)
+        names = [f"part-{i:05d}{suffix}" for i in range(k)]
+        futures = [client.submit(_pack_part, job, fn, tasks[a:b], str(root / name), pure=False, retries=2,
+                                 key=f"packio-{root.name}-{name}")
+                   for (a, b), name in zip(zip(bounds[:-1], bounds[1:]), names)]
+        with _progress(k, progress) as bar:
+            for _ in as_completed(futures):
+                bar.update(1)
+        results = client.gather(futures)  # raises the first task error: nothing gets committed
+    finally:
+        if owned:
+            client.close()
+    count = sum(r["count"] for r in results)
+    for r in results:
+        skipped.update(r["skipped"])
+    dup = sum(r["duplicate_content"] for r in results)
+    manifest = Manifest(format=job.format, count=count, classes=job.classes, image=job.image, source=job.source,
+                        extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},
+                        summary={"packed": count, "skipped": dict(skipped), "duplicate_content": dup,
+                                 "note": "duplicate_content counts within each part"},
+                        files=describe_files(root))
+    (root / MANIFEST_NAME).write_text(manifest.to_json())
+    return {"count": count, "skipped": dict(skipped), "problems": [p for r in results for p in r["problems"]],
+            "duplicate_content": dup}
 
 
 def _looks_like_shards(src: Path) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -45,7 +46,7 @@ class _Items:
 
     def __init__(self, path: str | Path, format_name: str | None, decode: bool, resize: Size,
                  transform: Callable[[torch.Tensor], Any] | None, backend: str, on_error: str,
-                 verify: bool) -> None:
+                 verify: bool, threads: int = 0) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         self.reader: Reader = open_reader(path)
@@ -55,6 +56,8 @@ class _Items:
         self.decode, self.size, self.transform = decode, _hw(resize), transform
         self.backend, self.on_error, self.verify = backend, on_error, verify
         self.errors = 0
+        self.threads = threads  # decode threads per process (the decoders release the GIL)
+        self._pool: tuple[int, Any] | None = None
         self.defer_images = False  # set by packio.DataLoader, which knows how to fill them in
 
 
@@ -84,35 +87,73 @@ class _Items:
                 "box_labels": torch.from_numpy(s.box_labels), "key": s.key, "index": i}
 
     def batch(self, indices: list[int]) -> dict[str, Any] | DeferredBatch | None:
-        """A whole collated batch straight from the reader, when its format has a
-        fast path and nothing needs per-sample work; else None.
+        """A whole collated batch built in one go, or None to use the per-sample path.
 
-        For memory-mapped formats in a worker of ``packio.DataLoader``, only the
-        indices go back: reading a page-cached batch in the main process (~50k
-        samples/s here) beats every way of moving it between processes (torch's
-        shared-memory transfer of 64x224x224x3 batches caps at 5-7k samples/s here,
-        and on 2 cores the workers compete with the main process for the CPU)."""
+        Fixed-shape raw formats: one gather from the reader. For memory-mapped ones,
+        a worker of ``packio.DataLoader`` sends back only the indices: reading a
+        page-cached batch in the main process (~50k samples/s here) beats every way
+        of moving it between processes (torch's shared-memory transfer of
+        64x224x224x3 batches caps at 5-7k samples/s here). Encoded formats with a
+        ``resize``: every image is decoded (on ``threads`` threads) and resized
+        straight into its slot of the batch buffer: no per-sample tensors, no stack.
+        """
+        if not self.decode or self.transform is not None or self.verify or len(indices) < 2:
+            return None
         shape = (self.reader.manifest.image or {}).get("shape")
-        if (not self.decode or self.transform is not None or self.verify or not shape or len(indices) < 2
-                or (self.size is not None and tuple(self.size) != tuple(shape[:2]))):
+        raw = bool(shape) and (self.size is None or tuple(self.size) == tuple(shape[:2]))
+        if raw:
+            if self.defer_images and self.reader.cheap_gather and get_worker_info() is not None:
+                return DeferredBatch(indices)
+            try:
+                got = self.reader.read_batch(indices)
+            except PackioError:
+                got = None  # the per-sample path finds and reports the bad one
+            if got is not None:
+                return self._batch_dict(torch.from_numpy(got["image"]), got["label"], got["boxes"],
+                                        got["box_labels"], got["key"], got["index"])
+        if self.size is None:
             return None
-        if self.defer_images and self.reader.cheap_gather and get_worker_info() is not None:
-            return DeferredBatch(indices)
-        try:
-            got = self.reader.read_batch(indices)
-        except PackioError:
-            return None  # the per-sample path finds and reports the bad one
-        if got is None:
-            return None
-        return {"image": self.images_tensor(got["image"]), "label": torch.from_numpy(got["label"]),
-                "boxes": ragged([torch.from_numpy(b) for b in got["boxes"]]),
-                "box_labels": ragged([torch.from_numpy(b) for b in got["box_labels"]]),
-                "key": got["key"], "index": torch.from_numpy(got["index"])}
+        return self._decoded_batch(indices)
 
-    @staticmethod
-    def images_tensor(hwc: np.ndarray) -> torch.Tensor:
-        # NCHW shape in channels_last memory: no transpose copy.
-        return torch.from_numpy(hwc).permute(0, 3, 1, 2)
+    def _batch_dict(self, hwc: torch.Tensor, labels: Any, boxes: list, box_labels: list, keys: list[str],
+                    index: Any) -> dict[str, Any]:
+        packed = self.defer_images and get_worker_info() is not None  # packio.DataLoader unpacks in the main process
+        return {"image": hwc.permute(0, 3, 1, 2),  # NCHW shape, channels_last memory: no transpose copy
+                "label": torch.as_tensor(np.asarray(labels, np.int64)),
+                "boxes": ragged([torch.from_numpy(np.asarray(b, np.float32)) for b in boxes], packed),
+                "box_labels": ragged([torch.from_numpy(np.asarray(b, np.int64)) for b in box_labels], packed),
+                "key": list(keys), "index": torch.as_tensor(np.asarray(index, np.int64))}
+
+    def _decoded_batch(self, indices: list[int]) -> dict[str, Any] | None:
+        try:
+            samples = self.reader.read_many(indices)
+        except PackioError:
+            return None
+        h, w = self.size  # type: ignore[misc]
+        n = len(samples)
+        if get_worker_info() is not None:  # straight into shared memory: crosses to the main process as is
+            out = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n * h * w * 3)).view(n, h, w, 3)
+        else:
+            out = torch.empty((n, h, w, 3), dtype=torch.uint8)
+        arr = out.numpy()
+
+        def one(j: int) -> np.ndarray | PackioError:
+            s = samples[j]
+            try:
+                img = s.payload if isinstance(s.payload, np.ndarray) else dec.decode(
+                    s.payload, backend=self.backend, min_size=self.size)
+            except ValueError as exc:
+                return CorruptSampleError(s.key, f"image does not decode ({exc})")
+            h0, w0 = (s.height, s.width) if s.height and s.width else img.shape[:2]
+            dec.resize(img, (h, w), out=arr[j])
+            return s.boxes * np.array([w / w0, h / h0] * 2, np.float32) if len(s.boxes) else s.boxes
+
+        pool = self._executor() if self.threads > 1 else None
+        boxes = list(pool.map(one, range(n)) if pool else map(one, range(n)))
+        if any(isinstance(b, PackioError) for b in boxes):
+            return None  # the per-sample path raises or skips, as on_error says
+        return self._batch_dict(out, [s.label for s in samples], boxes, [s.box_labels for s in samples],
+                                [s.key for s in samples], indices)
 
     def get(self, indices: list[int]) -> list[dict[str, Any] | None]:
         try:
@@ -124,16 +165,26 @@ class _Items:
                     samples.append(self.reader.read(i))
                 except PackioError as exc:
                     samples.append(self._failed(exc))
-        out: list[dict[str, Any] | None] = []
-        for i, s in zip(indices, samples):
-            if s is None:
-                out.append(None)
-                continue
+        def one(pair: tuple[int, Sample | None]) -> dict[str, Any] | PackioError | None:
             try:
-                out.append(self.item(i, s))
+                return None if pair[1] is None else self.item(*pair)
             except PackioError as exc:
-                out.append(self._failed(exc))
-        return out
+                return exc
+
+        pairs = list(zip(indices, samples))
+        results = self._executor().map(one, pairs) if self.threads > 1 and len(pairs) > 1 else map(one, pairs)
+        return [self._failed(r) if isinstance(r, PackioError) else r for r in results]
+
+    def _executor(self) -> Any:
+        """A decode thread pool, one per process (a forked child makes its own)."""
+        if self._pool is None or self._pool[0] != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = (os.getpid(), ThreadPoolExecutor(self.threads, thread_name_prefix="packio-decode"))
+        return self._pool[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _pool=None)
 
     def _failed(self, exc: PackioError) -> None:
         if self.on_error == "raise":
@@ -152,14 +203,17 @@ class PackedDataset(Dataset):
     ``resize=224`` or ``(h, w)`` resizes after decode (boxes follow). Handles open
     lazily in each process, so it works in DataLoader workers under fork and spawn.
     ``on_error="skip"`` returns ``None`` for a corrupt sample (``collate`` drops it).
+    ``threads=N`` decodes each batch with N threads in whichever process reads it
+    (libjpeg-turbo and OpenCV release the GIL): with ``num_workers=0`` this feeds
+    from one process with no batch crossing between processes.
     """
 
     format_name: str | None = None
 
     def __init__(self, path: str | Path, *, decode: bool = True, resize: Size = None,
                  transform: Callable[[torch.Tensor], Any] | None = None, backend: str = "auto",
-                 on_error: str = "raise", verify: bool = False) -> None:
-        self.items = _Items(path, self.format_name, decode, resize, transform, backend, on_error, verify)
+                 on_error: str = "raise", verify: bool = False, threads: int = 0) -> None:
+        self.items = _Items(path, self.format_name, decode, resize, transform, backend, on_error, verify, threads)
         self.path = str(path)
 
     @property
@@ -206,8 +260,8 @@ class PackedIterableDataset(IterableDataset):
                  window: int = 8, rank: int | None = None, world_size: int | None = None,
                  even: str | None = None, decode: bool = True, resize: Size = None,
                  transform: Callable[[torch.Tensor], Any] | None = None, backend: str = "auto",
-                 on_error: str = "raise", verify: bool = False) -> None:
-        self.items = _Items(path, self.format_name, decode, resize, transform, backend, on_error, verify)
+                 on_error: str = "raise", verify: bool = False, threads: int = 0) -> None:
+        self.items = _Items(path, self.format_name, decode, resize, transform, backend, on_error, verify, threads)
         self.path = str(path)
         self.shuffle, self.seed, self.batch_size, self.window = shuffle, seed, batch_size, window
         self._rank, self._world, self.even = rank, world_size, even

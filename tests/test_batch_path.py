@@ -36,3 +36,23 @@ def test_fast_batches_match_samples(gen_folder, tmp_path, suffix, workers):
         assert sorted(seen) == list(range(len(ds)))
     assert any(len(r["boxes"]) for r in ref.values())
     np.testing.assert_array_equal(ref[0]["image"].permute(1, 2, 0).numpy(), ds.sample(0).payload)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decoded_batches_match_samples(gen_folder, tmp_path, threads, workers):
+    src, csv = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", resize=(24, 32), threads=threads)
+    ref = {i: ds.items.get([i])[0] for i in range(len(ds))}
+    kw = {"multiprocessing_context": "fork"} if workers else {}
+    seen = []
+    for b in packio.DataLoader(ds, batch_size=4, shuffle=True, num_workers=workers, **kw):
+        assert b["image"].shape[1:] == (3, 24, 32)
+        for j, i in enumerate(b["index"].tolist()):
+            assert torch.equal(b["image"][j], ref[i]["image"])
+            assert torch.allclose(b["boxes"][j], ref[i]["boxes"]) and b["key"][j] == ref[i]["key"]
+            assert int(b["label"][j]) == ref[i]["label"]
+            seen.append(i)
+    assert sorted(seen) == list(range(len(ds)))
+    assert any(len(r["boxes"]) for r in ref.values())

@@ -45,6 +45,10 @@ def open_reader(path: str | Path) -> Reader:
     if p.is_dir() and (p / MANIFEST_NAME).is_file():
         manifest = Reader.read_manifest(p)
         spec = get_format(manifest.format)
+        if "parts" in manifest.extra:
+            from packio.formats.parts import MultiPartReader
+
+            return MultiPartReader(p, manifest, spec)
         return spec.reader(p, manifest)
     hdf5 = get_format("hdf5")
     if p.is_file() and p.read_bytes()[:8] == b"\x89HDF\r\n\x1a\n":

@@ -1,0 +1,53 @@
+"""packio.tune: measure a few DataLoader settings on this machine, return the fastest."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+
+def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any]) -> float:
+    from packio.datasets import DataLoader, PackedIterableDataset
+
+    shuffle = not isinstance(dataset, PackedIterableDataset)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)
+    n, t_first, deadline = 0, None, None
+    while True:
+        for batch in loader:
+            if t_first is None:  # start-up (worker spawn, first batch) is not steady state
+                t_first, deadline = time.perf_counter(), time.perf_counter() + seconds
+                continue
+            n += len(batch["label"])
+            if time.perf_counter() >= deadline:
+                return n / (time.perf_counter() - t_first)
+        if t_first is None:
+            return 0.0
+
+
+def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list[int] | None = None,
+         prefetch: tuple[int, ...] = (2, 4), verbose: bool = True) -> dict[str, Any]:
+    """Try ``num_workers`` × ``prefetch_factor`` (persistent workers) for ``seconds``
+    each after start-up, print the table, and return the fastest settings as
+    DataLoader keyword arguments (bounded time: trials × seconds)."""
+    cpus = os.cpu_count() or 1
+    workers = workers if workers is not None else sorted({0, 1, cpus // 2, cpus, cpus * 2} - {0} | {0})
+    trials: list[dict[str, Any]] = []
+    for w, pf in itertools.product(workers, prefetch):
+        if w == 0 and pf != prefetch[0]:
+            continue
+        kw: dict[str, Any] = {"num_workers": w}
+        if w:
+            kw.update(prefetch_factor=pf, persistent_workers=True)
+        trials.append(kw)
+    results = []
+    for kw in trials:
+        rate = _rate(dataset, batch_size, seconds, kw)
+        results.append((rate, kw))
+        if verbose:
+            print(f"  {rate:9.0f} samples/s  {kw}", flush=True)
+    best = max(results, key=lambda r: r[0])
+    if verbose:
+        print(f"best: {best[1]} ({best[0]:.0f} samples/s, batch {batch_size})")
+    return dict(best[1])

@@ -1,0 +1,151 @@
+"""Beyond one machine: Dask conversion into parts, multi-part reading, real DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import packio
+from conftest import ROOT, shared
+
+distributed = pytest.importorskip("dask.distributed")
+
+FORMATS = {".lmdb": {}, ".h5": {}, ".tar": {"shard_samples": 50},
+           ".bmp": {"resize": packio.ResizeSpec(short_side=48)}, ".npy": {"resize": packio.ResizeSpec(size=(40, 40))}}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                  silence_logs=40) as c:
+        with distributed.Client(c) as client:
+            yield c, client
+
+
+def _same(a: Path, b: Path) -> None:
+    ra, rb = packio.open_dataset(a, decode=False), packio.open_dataset(b, decode=False)
+    assert len(ra) == len(rb) and ra.classes == rb.classes
+    for i in range(len(ra)):
+        x, y = ra.sample(i), rb.sample(i)
+        assert x.key == y.key and x.label == y.label
+        if isinstance(x.payload, np.ndarray):
+            np.testing.assert_array_equal(x.payload, y.payload)
+        else:
+            assert x.payload == y.payload
+        np.testing.assert_array_equal(x.boxes, y.boxes)
+
+
+@pytest.mark.parametrize("suffix", sorted(FORMATS))
+def test_local_cluster_matches_single_process(cluster, tmp_path, suffix):
+    _, client = cluster
+    src = shared("hymenoptera") / "hymenoptera_data"
+    single = packio.convert(src, tmp_path / f"single{suffix}", progress=False, **FORMATS[suffix])
+    dist = packio.convert(src, tmp_path / f"dist{suffix}", scheduler=client, parts=5, progress=False,
+                          **FORMATS[suffix])
+    assert dist.packed == single.packed == 397 and dist.skipped == single.skipped
+    m = packio.open_reader(tmp_path / f"dist{suffix}").manifest
+    assert len(m.extra["parts"]) == 5 and sum(p["count"] for p in m.extra["parts"]) == 397
+    _same(tmp_path / f"single{suffix}", tmp_path / f"dist{suffix}")
+    assert packio.verify(tmp_path / f"dist{suffix}").ok
+    it = packio.open_dataset(tmp_path / f"dist{suffix}", iterable=True, decode=False, shuffle=True,
+                             rank=1, world_size=2)
+    other = packio.open_dataset(tmp_path / f"dist{suffix}", iterable=True, decode=False, shuffle=True,
+                                rank=0, world_size=2)
+    assert sorted([x["index"] for x in it] + [x["index"] for x in other]) == list(range(397))
+
+
+def test_failed_part_commits_nothing(cluster, tmp_path, gen_folder):
+    _, client = cluster
+    src, _ = gen_folder
+    (src / "cats" / "broken.jpg").write_bytes(b"\xff\xd8\xff" + b"\x00" * 50)  # truncated: fails --strict
+    with pytest.raises(packio.SourceError, match="broken.jpg"):
+        packio.convert(src, tmp_path / "out.lmdb", scheduler=client, parts=3, strict=True, progress=False)
+    assert not (tmp_path / "out.lmdb").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.lmdb")]
+
+
+def test_worker_killed_mid_conversion(tmp_path):
+    """Kill every worker process while parts are being packed: the nannies restart
+    them, Dask retries the lost tasks, and the commit holds all samples — or, if the
+    run fails, nothing is committed."""
+    from conftest import jpeg
+
+    src = tmp_path / "imgs"
+    for c in range(2):
+        (src / f"c{c}").mkdir(parents=True)
+        for k in range(150):
+            (src / f"c{c}" / f"{k:04d}.jpg").write_bytes(jpeg(64, 64, c * 1000 + k))
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                  silence_logs=50) as c, distributed.Client(c) as client:
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["summary"] = packio.convert(src, tmp_path / "out.lmdb", scheduler=client, parts=30,
+                                                   progress=False)
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                result["error"] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.time() + 60
+        while time.time() < deadline and not any(
+                p.name.startswith("part-") and not p.name.startswith(".")
+                for d in tmp_path.glob(".out.lmdb*") for p in d.iterdir()):
+            time.sleep(0.01)
+        killed = client.run(lambda: os.getpid())
+        for pid in killed.values():
+            os.kill(pid, 9)
+        t.join(180)
+    assert not t.is_alive()
+    if "error" in result:
+        assert not (tmp_path / "out.lmdb").exists()
+    else:
+        assert result["summary"].packed == 300
+        assert packio.verify(tmp_path / "out.lmdb").ok and len(packio.open_dataset(tmp_path / "out.lmdb")) == 300
+
+
+def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
+    c, _ = cluster
+    src, csv = gen_folder
+    r = subprocess.run([sys.executable, "-m", "packio", "convert", str(src), str(tmp_path / "o.tar"), "--csv",
+                        str(csv), "--scheduler", c.scheduler_address, "--parts", "3", "--quiet"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "packed 14 samples" in r.stdout and len(list((tmp_path / "o.tar").glob("part-*.tar"))) == 3
+
+
+def _torchrun(tmp_path: Path, data: Path, mode: str) -> list[dict]:
+    out = tmp_path / f"ddp-{mode}"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "ddp_worker.py"), str(data), str(out), mode]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["iterable", "map"])
+def test_torchrun_two_ranks(tmp_path, gen_folder, mode):
+    src, csv = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    n = 14
+    ranks = _torchrun(tmp_path, tmp_path / "d.lmdb", mode)
+    # full epoch, no padding: disjoint, union is everything
+    a, b = (set(r["epoch"]) for r in ranks)
+    assert not a & b and sorted(a | b) == list(range(n))
+    # padded: equal counts per rank, everything covered
+    assert len(ranks[0]["padded"]) == len(ranks[1]["padded"]) == 7
+    # resume after a checkpoint mid-epoch, on both ranks: the rest of the epoch, in order
+    for r in ranks:
+        assert r["before"] + r["after"] == r["epoch_again"]
+        assert len(r["before"]) > 0 and len(r["after"]) > 0
+    assert ranks[0]["world"] == 2 and ranks[1]["rank"] == 1

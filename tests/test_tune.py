@@ -1,0 +1,27 @@
+"""packio.tune measures the settings it is given and returns the fastest as DataLoader kwargs."""
+
+from __future__ import annotations
+
+import packio
+from packio import tuning
+
+
+def test_tune_returns_measured_best(gen_folder, tmp_path, monkeypatch, capsys):
+    src, csv = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", resize=32)
+    seen = []
+    real = tuning._rate
+
+    def fake_rate(dataset, batch_size, seconds, kw):
+        seen.append(kw)
+        real(dataset, batch_size, 0.05, kw)  # really runs the loader with these settings
+        return {0: 10.0, 1: 30.0, 2: 20.0}[kw["num_workers"]] + kw.get("prefetch_factor", 0)
+
+    monkeypatch.setattr(tuning, "_rate", fake_rate)
+    best = packio.tune(ds, batch_size=4, workers=[0, 1, 2], prefetch=(2, 4))
+    assert best == {"num_workers": 1, "prefetch_factor": 4, "persistent_workers": True}
+    assert {"num_workers": 0} in seen and len(seen) == 5
+    assert "best:" in capsys.readouterr().out
+    # and the real measurement gives a positive rate
+    assert real(ds, 4, 0.1, {"num_workers": 0}) > 0
