@@ -135,21 +135,15 @@ def _prepare_packed(prep: _Prep, index: int) -> Result:
     return _finish(prep, s, s.key)
 
 
-def _worker_init() -> None:
-    try:
-        import cv2
-
-        cv2.setNumThreads(1)  # one OpenCV thread per worker process: the workers are the parallelism
-    except ImportError:
-        pass
-
-
 def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int) -> Iterator[Result]:
     if workers <= 1:
         yield from map(fn, tasks)
         return
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_worker_init) as pool:
+    # forkserver, not fork: the caller may run threads (Dask, decode pools, OpenCV) whose
+    # locks a forked child would inherit held (seen here: a worker hanging in OpenCV).
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    with ctx.Pool(workers) as pool:
         yield from pool.imap(fn, tasks, chunksize=8)
 
 

@@ -60,7 +60,6 @@ class _Items:
         self._pool: tuple[int, Any] | None = None
         self.defer_images = False  # set by packio.DataLoader, which knows how to fill them in
 
-
     def item(self, i: int, s: Sample) -> dict[str, Any]:
         if self.verify and s.checksum and checksum(s.payload) != s.checksum:
             raise CorruptSampleError(s.key, "checksum mismatch")

@@ -48,6 +48,21 @@ def image_size(data: bytes, encoding: str) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1)
+def _cv2() -> Any:
+    """OpenCV, with its own thread pool turned off on first use in each process.
+
+    packio parallelises over processes and its own decode threads; OpenCV's pool
+    on top oversubscribes the cores, and a process forked after that pool started
+    can deadlock in OpenCV (seen here: a DataLoader/Pool worker hanging in
+    cv2.setNumThreads). This is the one process-wide setting packio changes, and
+    only when it first decodes or resizes."""
+    import cv2
+
+    cv2.setNumThreads(1)
+    return cv2
+
+
+@functools.lru_cache(maxsize=1)
 def _turbojpeg() -> Any:
     """PyTurboJPEG handle, or None when the package or its system library is absent."""
     try:
@@ -76,7 +91,7 @@ def _as_rgb3(img: np.ndarray) -> np.ndarray:
 
 
 def _cv2_decode(data: bytes | memoryview, apply_exif: bool) -> np.ndarray:
-    import cv2
+    cv2 = _cv2()
 
     flags = cv2.IMREAD_COLOR if apply_exif else cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
     img = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
@@ -184,7 +199,7 @@ def resize(img: np.ndarray, hw: tuple[int, int], best: bool = False, out: np.nda
     ``best=True`` (pack time): INTER_AREA when shrinking, INTER_LINEAR when growing.
     ``out``: write the result there (a ``uint8[h, w, 3]`` slot of a batch buffer).
     """
-    import cv2
+    cv2 = _cv2()
 
     h, w = hw
     h0, w0 = img.shape[:2]
@@ -240,7 +255,7 @@ def encode(img: np.ndarray, encoding: str, quality: int = 90) -> bytes:
         import simplejpeg
 
         return simplejpeg.encode_jpeg(np.ascontiguousarray(img), quality=quality, colorsubsampling="420")
-    import cv2
+    cv2 = _cv2()
 
     ok, buf = cv2.imencode("." + encoding, cv2.cvtColor(img, cv2.COLOR_RGB2BGR))
     if not ok:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 from packio.errors import FormatError
 
 MANIFEST_NAME = "packio.json"
+DIGEST = "xxh3_128"  # file checksums; samples carry xxh3_64 (packio.sample.checksum)
 LAYOUT_VERSION = 1
 
 
@@ -23,7 +23,7 @@ class Manifest:
     classes: list[str] = field(default_factory=list)
     image: dict[str, Any] = field(default_factory=dict)  # encoding, size, resize spec
     source: dict[str, Any] = field(default_factory=dict)  # path, csv, column map
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relpath -> bytes, blake2b
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relpath -> bytes, xxh3_128
     extra: dict[str, Any] = field(default_factory=dict)  # format-specific layout facts
     summary: dict[str, Any] = field(default_factory=dict)  # packed / skipped counts
     version: int = LAYOUT_VERSION
@@ -57,7 +57,9 @@ class Manifest:
 
 
 def file_digest(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    import xxhash
+
+    h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
@@ -70,5 +72,5 @@ def describe_files(root: Path, skip: tuple[str, ...] = (MANIFEST_NAME,)) -> dict
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
         if p.is_file() and rel not in skip and not rel.endswith("lock.mdb"):
-            out[rel] = {"bytes": p.stat().st_size, "blake2b": file_digest(p)}
+            out[rel] = {"bytes": p.stat().st_size, DIGEST: file_digest(p)}
     return out

@@ -7,7 +7,6 @@ pre-resized raw formats) plus a *record*: a small dict of plain JSON/msgpack typ
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,10 +22,15 @@ Payload = "bytes | np.ndarray"
 
 
 def checksum(payload: bytes | memoryview | np.ndarray) -> str:
-    """Hex blake2b-64 of the payload bytes (for arrays: their C-order bytes)."""
+    """Hex xxh3-64 of the payload bytes (for arrays: their C-order bytes).
+
+    xxh3 rather than blake2b: this guards against corruption, not tampering, and
+    hashing ran at ~1 GB/s with blake2b, a fifth of the packing time here."""
+    import xxhash
+
     if isinstance(payload, np.ndarray):
         payload = np.ascontiguousarray(payload).data
-    return hashlib.blake2b(payload, digest_size=8).hexdigest()
+    return xxhash.xxh3_64_hexdigest(payload)
 
 
 @dataclass

@@ -59,15 +59,18 @@ def parse_columns(text: str | None) -> dict[str, str]:
 def _walk(root: Path, scan: Scan, exclude: set[str]) -> list[tuple[str, str]]:
     """(relative key, absolute path) of every regular file, sorted; no symlinked dirs."""
     found: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+    top = str(root)
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        reldir = os.path.relpath(dirpath, top).replace(os.sep, "/")
+        prefix = "" if reldir == "." else reldir + "/"
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
             full = os.path.join(dirpath, name)
-            if os.path.abspath(full) in exclude:
+            if exclude and os.path.abspath(full) in exclude:
                 continue
-            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            rel = prefix + name
             try:
                 rel.encode("utf-8")
             except UnicodeEncodeError:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from packio.errors import PackioError
 from packio.formats import open_reader
-from packio.manifest import file_digest
+from packio.manifest import DIGEST, file_digest
 from packio.sample import checksum
 
 
@@ -41,7 +41,7 @@ def verify(path: str | Path) -> VerifyReport:
             report.bad_files.append(f"{rel}: missing")
         elif p.stat().st_size != facts.get("bytes"):
             report.bad_files.append(f"{rel}: {p.stat().st_size} bytes, manifest says {facts.get('bytes')}")
-        elif file_digest(p) != facts.get("blake2b"):
+        elif file_digest(p) != facts.get(DIGEST):
             report.bad_files.append(f"{rel}: checksum differs")
     for i in range(len(reader)):
         try:

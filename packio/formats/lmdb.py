@@ -18,8 +18,8 @@ from packio.manifest import Manifest
 from packio.sample import Sample
 
 _LEN = struct.Struct("<I")
-_TXN_SAMPLES = 512
-_TXN_BYTES = 64 << 20
+_TXN_SAMPLES = 2048
+_TXN_BYTES = 256 << 20
 
 
 def _key(i: int) -> bytes:
@@ -30,7 +30,7 @@ class LMDBWriter(Writer):
     def __init__(self, path: Path, options: WriteOptions) -> None:
         super().__init__(path, options)
         path.mkdir(parents=True)
-        self._map_size = 64 << 20
+        self._map_size = 1 << 30  # virtual only: data.mdb grows with what is written; doubled when full
         self._env = lmdb.open(str(path), map_size=self._map_size, subdir=True, sync=False,
                               metasync=False, readahead=False, meminit=False, max_dbs=0)
         self._pending: list[tuple[bytes, bytes]] = []
