@@ -376,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cold", action="store_true", help="skip the cold page cache passes")
     ap.add_argument("--quick", action="store_true", help="1 repeat, fewer variants (a smoke run)")
     ap.add_argument("--tune", metavar="PATH", help="only tune DataLoader settings for a packed dataset")
+    ap.add_argument("--tune-seconds", type=float, default=3.0, help="seconds per tuning trial")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         from packio.tuning import tune
         import packio
 
-        tune(packio.open_dataset(a.tune, resize=SIZE), batch_size=BATCH)
+        tune(packio.open_dataset(a.tune, resize=SIZE), batch_size=BATCH, seconds=a.tune_seconds)
         return 0
 
     work = Path(a.work)

@@ -27,27 +27,35 @@ def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any])
 
 
 def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list[int] | None = None,
-         prefetch: tuple[int, ...] = (2, 4), verbose: bool = True) -> dict[str, Any]:
-    """Try ``num_workers`` × ``prefetch_factor`` (persistent workers) for ``seconds``
-    each after start-up, print the table, and return the fastest settings as
-    DataLoader keyword arguments (bounded time: trials × seconds)."""
+         prefetch: tuple[int, ...] = (2, 4), threads: tuple[int, ...] | None = None,
+         verbose: bool = True) -> dict[str, Any]:
+    """Try ``num_workers`` × ``prefetch_factor`` (persistent workers) × decode
+    ``threads`` for ``seconds`` each after start-up, print the table, leave the
+    dataset set to the fastest thread count, and return the fastest settings:
+    DataLoader keyword arguments plus ``threads`` (pop it before passing them on).
+    Bounded time: trials × seconds."""
     cpus = os.cpu_count() or 1
-    workers = workers if workers is not None else sorted({0, 1, cpus // 2, cpus, cpus * 2} - {0} | {0})
+    workers = workers if workers is not None else sorted({0, 1, cpus // 2, cpus, cpus * 2})
+    threads = threads if threads is not None else tuple(sorted({0, cpus}))
     trials: list[dict[str, Any]] = []
-    for w, pf in itertools.product(workers, prefetch):
+    for w, pf, th in itertools.product(workers, prefetch, threads):
         if w == 0 and pf != prefetch[0]:
             continue
         kw: dict[str, Any] = {"num_workers": w}
         if w:
             kw.update(prefetch_factor=pf, persistent_workers=True)
-        trials.append(kw)
+        trials.append({**kw, "threads": th})
+    items = dataset.items
     results = []
-    for kw in trials:
+    for trial in trials:
+        kw = {k: v for k, v in trial.items() if k != "threads"}
+        items.threads = trial["threads"]
         rate = _rate(dataset, batch_size, seconds, kw)
-        results.append((rate, kw))
+        results.append((rate, trial))
         if verbose:
-            print(f"  {rate:9.0f} samples/s  {kw}", flush=True)
+            print(f"  {rate:9.0f} samples/s  {trial}", flush=True)
     best = max(results, key=lambda r: r[0])
+    items.threads = best[1]["threads"]
     if verbose:
         print(f"best: {best[1]} ({best[0]:.0f} samples/s, batch {batch_size})")
     return dict(best[1])

@@ -16,12 +16,14 @@ def test_tune_returns_measured_best(gen_folder, tmp_path, monkeypatch, capsys):
     def fake_rate(dataset, batch_size, seconds, kw):
         seen.append(kw)
         real(dataset, batch_size, 0.05, kw)  # really runs the loader with these settings
-        return {0: 10.0, 1: 30.0, 2: 20.0}[kw["num_workers"]] + kw.get("prefetch_factor", 0)
+        rate = {0: 10.0, 1: 30.0, 2: 20.0}[kw["num_workers"]] + kw.get("prefetch_factor", 0)
+        return rate + dataset.items.threads / 10
 
     monkeypatch.setattr(tuning, "_rate", fake_rate)
-    best = packio.tune(ds, batch_size=4, workers=[0, 1, 2], prefetch=(2, 4))
-    assert best == {"num_workers": 1, "prefetch_factor": 4, "persistent_workers": True}
-    assert {"num_workers": 0} in seen and len(seen) == 5
+    best = packio.tune(ds, batch_size=4, workers=[0, 1, 2], prefetch=(2, 4), threads=(0, 2))
+    assert best == {"num_workers": 1, "prefetch_factor": 4, "persistent_workers": True, "threads": 2}
+    assert ds.items.threads == 2
+    assert {"num_workers": 0} in seen and len(seen) == 10
     assert "best:" in capsys.readouterr().out
     # and the real measurement gives a positive rate
     assert real(ds, 4, 0.1, {"num_workers": 0}) > 0

@@ -44,7 +44,7 @@ class TarWriter(Writer):
         super().__init__(path, options)
         path.mkdir(parents=True)
         self._shards: list[str] = []
-        self._rows: list[np.ndarray] = []
+        self._rows: list[list[int]] = []
         self._tar: tarfile.TarFile | None = None
         self._in_shard = 0
         self._shard_bytes = 0
@@ -63,26 +63,34 @@ class TarWriter(Writer):
         key = f"{self.count:010d}"  # WebDataset keys cannot hold dots; the original key is in the json
         data = payload_bytes(sample)
         rec = json.dumps(sample.record(), separators=(",", ":")).encode()
+        row = [len(self._shards) - 1]
         for name, blob in ((f"{key}.{EXTENSIONS[sample.encoding]}", data), (f"{key}.json", rec)):
-            self._tar.addfile(*_member(name, blob))
+            row += [self._add(name, blob), len(blob)]
+        self._rows.append(row)
         if sample.label >= 0:
-            self._tar.addfile(*_member(f"{key}.cls", str(sample.label).encode()))
+            self._add(f"{key}.cls", str(sample.label).encode())
         self._in_shard += 1
         self._shard_bytes += len(data) + len(rec) + 1536
         self.count += 1
+
+    def _add(self, name: str, blob: bytes | memoryview) -> int:
+        """Append one member; returns the offset of its data (header bytes counted here,
+        so no second pass over the shard is needed to build the index)."""
+        tar = self._tar
+        info, data = _member(name, blob)
+        start = tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))
+        tar.addfile(info, data)
+        return start
 
     def _close_shard(self) -> None:
         if self._tar is None:
             return
         self._tar.close()
         self._tar = None
-        shard = len(self._shards) - 1
-        rows = _scan(self.path / self._shards[shard], shard, strict=True)[0]
-        self._rows.append(rows)
 
     def close(self) -> dict[str, Any]:
         self._close_shard()
-        index = np.concatenate(self._rows) if self._rows else np.zeros((0, 5), np.int64)
+        index = np.asarray(self._rows, np.int64).reshape(-1, 5)
         np.save(self.path / INDEX, index, allow_pickle=False)
         return {"shards": self._shards, "index": INDEX,
                 "index_columns": ["shard", "image_offset", "image_size", "json_offset", "json_size"],
