@@ -23,6 +23,7 @@ test: install
 	$(PY) -m pytest -q
 
 bench: install
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) tools/bench_formats.py
 
 gpu-check: install
