@@ -12,7 +12,7 @@ class Ragged:
     """Variable-length per-sample tensors as one flat tensor + lengths: crosses from
     a DataLoader worker as one tensor. Sending a list of per-sample tensors costs a
     tensor rebuild each on the main process (128 per batch of 64 with boxes and box
-    labels: ~5 ms a batch, measured here), which the main process cannot spare."""
+    labels; it topped a profile of the main process), which it cannot spare."""
 
     def __init__(self, parts: list[torch.Tensor]) -> None:
         self.flat = torch.cat(parts) if parts else torch.zeros(0)
@@ -56,8 +56,8 @@ def collate(items: list[dict[str, Any] | None] | dict[str, Any], packed: bool = 
     images = [x["image"] for x in items]
     if all(isinstance(im, torch.Tensor) for im in images) and len({im.shape for im in images}) == 1:
         # Decoded images are CHW views of HWC pixels: stack the HWC memory (a plain
-        # copy; stacking the strided views costs ~100 us a sample here) and return
-        # NCHW in channels_last memory.
+        # copy; stacking the strided views is slower, see tools/bench_levers.py) and
+        # return NCHW in channels_last memory.
         hwc = all(im.dim() == 3 and im.permute(1, 2, 0).is_contiguous() for im in images)
         parts = [im.permute(1, 2, 0) for im in images] if hwc else images
         out = None

@@ -90,9 +90,8 @@ class _Items:
 
         Fixed-shape raw formats: one gather from the reader. For memory-mapped ones,
         a worker of ``packio.DataLoader`` sends back only the indices: reading a
-        page-cached batch in the main process (~50k samples/s here) beats every way
-        of moving it between processes (torch's shared-memory transfer of
-        64x224x224x3 batches caps at 5-7k samples/s here). Encoded formats with a
+        page-cached batch in the main process beats moving it between processes
+        (torch's shared-memory transfer: ~11x slower in tools/bench_levers.py). Encoded formats with a
         ``resize``: every image is decoded (on ``threads`` threads) and resized
         straight into its slot of the batch buffer: no per-sample tensors, no stack.
         """

@@ -193,9 +193,9 @@ def resize(img: np.ndarray, hw: tuple[int, int], best: bool = False, out: np.nda
     """Resize to ``hw=(h, w)``.
 
     Default (read time): halve with a 2x2 box filter while the image is at least
-    twice the target, then bilinear: antialiased by powers of two, and ~6x faster
-    than OpenCV's INTER_AREA at non-integer ratios (0.22 vs 1.32 ms for 540x480 →
-    224², measured here), which would otherwise cost as much as the JPEG decode.
+    twice the target, then bilinear: antialiased by powers of two, and several times
+    faster than OpenCV's INTER_AREA at non-integer ratios (tools/bench_levers.py),
+    which would otherwise cost as much as the JPEG decode.
     ``best=True`` (pack time): INTER_AREA when shrinking, INTER_LINEAR when growing.
     ``out``: write the result there (a ``uint8[h, w, 3]`` slot of a batch buffer).
     """

@@ -86,8 +86,8 @@ def _shared_env(path: Path) -> lmdb.Environment:
         _ENVS_PID[0] = os.getpid()
     key = os.path.realpath(path)
     if key not in _ENVS:
-        # lock=False: readers never write; readahead stays on (cold random reads
-        # measured 32-41% slower without it on this kind of machine).
+        # lock=False: readers never write; readahead stays on (shared/PERF-NOTES.md:
+        # LMDB lost 32-41% cold with readahead=False on this kind of machine).
         sys.audit("open", key, "r", 0)  # a C-level open, made visible to audit hooks (file-open counting)
         _ENVS[key] = [lmdb.open(key, readonly=True, lock=False, subdir=True, readahead=True,
                                 meminit=False, max_readers=2048), 0]
