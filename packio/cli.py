@@ -70,12 +70,6 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _cmd_bench(a: argparse.Namespace) -> int:
-    from packio.bench import main as bench_main
-
-    return bench_main(a.rest)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="packio", description="Pack image datasets once; read them fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -114,14 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path")
     v.set_defaults(fn=_cmd_verify)
 
-    b = sub.add_parser("bench", help="compare formats on one dataset (see tools/bench_formats.py --help)",
-                       add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=_cmd_bench)
+    sub.add_parser("bench", help="compare formats on one dataset; 'packio bench --help' for its options")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
+        from packio.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     from packio.errors import PackioError
 

@@ -75,6 +75,6 @@ def test_bad_input_gives_one_clear_line(gen_folder, tmp_path, args, needle):
 
 
 def test_help_everywhere():
-    for cmd in ([], ["convert"], ["info"], ["verify"]):
+    for cmd in ([], ["convert"], ["info"], ["verify"], ["bench"]):
         r = run(*cmd, "--help")
         assert r.returncode == 0 and "usage:" in r.stdout
