@@ -223,6 +223,16 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     init = lambda _: cv2.setNumThreads(1)  # noqa: E731
     workers, kind = cfg["workers"], cfg["kind"]
     limit = cfg.get("limit")
+    if kind == "L1":  # the machine's limits, measured in the same interleaved rounds as the loaders
+        import packio
+
+        ds = packio.open_dataset(root, decode=False)
+        blobs = [ds.sample(i).payload for i in range(len(ds))]
+        ds.reader.close()
+        return {"rate": limit_l1(blobs, cfg["procs"])}
+    if kind == "L2":
+        per, batched = limit_l2(Path(root) / "images.npy")
+        return {"rate": per, "batched": batched}
     if cfg["workload"] == "random":
         import packio
 
@@ -399,24 +409,14 @@ def main(argv: list[str] | None = None) -> int:
 
     packed = _pack(src, csv_path, work, tag, list(VARIANTS))
     bare = min(bare_lmdb_write(src, work) for _ in range(2))
-    from packio import open_dataset
-
-    ds = open_dataset(packed["lmdb"]["path"], decode=False)
-    blobs = [ds.sample(i).payload for i in range(len(ds))]
-    ds_pre = open_dataset(packed["lmdb-pre256"]["path"], decode=False)
-    blobs_pre = [ds_pre.sample(i).payload for i in range(len(ds_pre))]
-    ds.reader.close()  # no map of the data may stay open here, or eviction cannot drop its pages
-    ds_pre.reader.close()
     ncpu = os.cpu_count() or 1
-    l1 = {1: statistics.median(limit_l1(blobs, 1) for _ in range(repeats)),
-          ncpu: statistics.median(limit_l1(blobs, ncpu) for _ in range(repeats))}
-    l1_pre = statistics.median(limit_l1(blobs_pre, ncpu) for _ in range(repeats))
-    l2_runs = [limit_l2(Path(packed["arrays-224"]["path"]) / "images.npy") for _ in range(repeats)]
-    l2 = (statistics.median(r[0] for r in l2_runs), statistics.median(r[1] for r in l2_runs))
-    print(f"L1 decode+resize in memory: {l1[1]:.0f}/s (1 proc), {l1[ncpu]:.0f}/s ({ncpu} procs); "
-          f"pre-resized bytes {l1_pre:.0f}/s; L2 memmap copy {l2[0]:.0f}/s per sample, {l2[1]:.0f}/s batched",
-          flush=True)
 
+    # Limits run as children in every round too, so that they see the same machine
+    # as the loaders (its speed drifts by ±20% over minutes here).
+    limits = [("L1_1proc", {"kind": "L1", "procs": 1, "path": packed["lmdb"]["path"]}),
+              (f"L1_{ncpu}proc", {"kind": "L1", "procs": ncpu, "path": packed["lmdb"]["path"]}),
+              ("L1_pre256", {"kind": "L1", "procs": ncpu, "path": packed["lmdb-pre256"]["path"]}),
+              ("L2", {"kind": "L2", "path": packed["arrays-224"]["path"]})]
     runs: list[dict[str, Any]] = []
     w1 = [("lmdb", "packio"), ("hdf5", "packio"), ("tar", "packio"), ("tar", "packio-iter"), ("bmp-256", "packio"),
           ("lmdb-pre256", "packio")]
@@ -452,10 +452,17 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({"label": name, "kind": "packio", "path": packed[name]["path"], "workload": wl,
                              "workers": w, "cold": True})
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(runs))}
+    limit_runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in limits}
     for rep in range(repeats):
+        for name, cfg in limits:
+            limit_runs[name].append(run_child({"workload": "limit", "workers": 0, "cold": False, **cfg}))
         for i, cfg in enumerate(runs):
             results[i].append(run_child({k: v for k, v in cfg.items() if k != "label"}))
         print(f"repeat {rep + 1}/{repeats} done", flush=True)
+    lim = {name: statistics.median(r["rate"] for r in rs if "rate" in r) for name, rs in limit_runs.items()}
+    l1 = {1: lim["L1_1proc"], ncpu: lim[f"L1_{ncpu}proc"]}
+    l1_pre = lim["L1_pre256"]
+    l2 = (lim["L2"], statistics.median(r["batched"] for r in limit_runs["L2"] if "batched" in r))
     random_runs = []
     for name in ("lmdb", "hdf5", "tar", "bmp-256", "arrays-224"):
         for cold in ([False] if a.no_cold else [False, True]):
