@@ -14,7 +14,6 @@ import lmdb
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
                                  payload_bytes, unpack_record)
-from packio.manifest import Manifest
 from packio.sample import Sample
 
 _LEN = struct.Struct("<I")
