@@ -18,8 +18,6 @@ from packio.errors import CorruptSampleError
 ENCODINGS = ("jpeg", "png", "bmp", "webp", "raw")
 EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "webp": "webp", "raw": "npy"}
 
-Payload = "bytes | np.ndarray"
-
 
 def checksum(payload: bytes | memoryview | np.ndarray) -> str:
     """Hex xxh3-64 of the payload bytes (for arrays: their C-order bytes).

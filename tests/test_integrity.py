@@ -179,7 +179,8 @@ def test_truncated_shard_and_wrong_manifest(gen_folder, tmp_path):
     (path / "packio.json").write_text(json.dumps(m))
     with pytest.raises(FormatError, match="does not match the manifest"):
         packio.open_dataset(path)
-    lm = _pack(gen_folder, tmp_path / "l" if (tmp_path / "l").mkdir() is None else tmp_path, "lmdb")
+    (tmp_path / "l").mkdir()
+    lm = _pack(gen_folder, tmp_path / "l", "lmdb")
     m = json.loads((lm / "packio.json").read_text())
     m["count"] = 3
     (lm / "packio.json").write_text(json.dumps(m))
@@ -285,7 +286,6 @@ def test_kill_at_random_points_leaves_nothing_half_written(big_folder, tmp_path,
             shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
         else:
             outcomes.append("absent")
-        assert not any(p.name == dst.name for p in tmp_path.iterdir()) or dst.exists()
     assert "absent" in outcomes  # at least one kill landed mid-conversion
     assert _tree_state(big_folder) == before  # the input is never modified
     s = packio.convert(big_folder, dst, progress=False, resize=packio.ResizeSpec(size=(32, 32))

@@ -198,7 +198,6 @@ class FormatSpec:
     writer: type[Writer]
     reader: type[Reader]
     payload: str  # "encoded": bytes as found / re-encoded JPEG; "raw": decoded pixels; "bmp"
-    single_file: bool = False
     needs_fixed_shape: bool = False
     raw_when_fixed: bool = False  # store decoded pixels when every image has one pre-resized shape
 

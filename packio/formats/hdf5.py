@@ -193,4 +193,4 @@ class HDF5Reader(Reader):
 
 
 FORMAT = FormatSpec(name="hdf5", suffixes=(".h5", ".hdf5"), writer=HDF5Writer, reader=HDF5Reader,
-                    payload="encoded", single_file=True, raw_when_fixed=True)
+                    payload="encoded", raw_when_fixed=True)
