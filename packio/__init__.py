@@ -19,7 +19,7 @@ _LAZY = {
     "Sample": "packio.sample",
     "Manifest": "packio.manifest",
     "PackioError": "packio.errors", "SourceError": "packio.errors", "FormatError": "packio.errors",
-    "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors",
+    "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors", "RemoteError": "packio.errors",
     "open_dataset": "packio.datasets", "PackedDataset": "packio.datasets",
     "PackedIterableDataset": "packio.datasets", "DataLoader": "packio.datasets",
     "ResumableSampler": "packio.datasets",

@@ -185,6 +185,13 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     by one task into its own part; the parts are committed under one manifest once
     all of them are complete (needs ``pip install 'packio[dask]'``).
     """
+    args = dict(locals())  # every parameter, first thing: a URL destination passes them on
+    from packio.remote import is_url
+
+    if is_url(dst):  # pack locally; upload shards as they finish, the manifest last (packio[remote])
+        from packio.remote.upload import convert_to_url
+
+        return convert_to_url(convert, **args)
     t0 = time.perf_counter()
     src, dst = Path(src), Path(str(dst).rstrip("/"))
     spec: FormatSpec = get_format(format) if format else format_for_path(dst)

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio import decode as dec
 from packio.collation import collate, ragged, unpack
-from packio.errors import CorruptSampleError, FormatError, PackioError
+from packio.errors import CorruptSampleError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
 from packio.formats.base import Reader
 from packio.order import dist_info, epoch_order, rank_slice, worker_slice
@@ -185,7 +185,7 @@ class _Items:
         return dict(self.__dict__, _pool=None)
 
     def _failed(self, exc: PackioError) -> None:
-        if self.on_error == "raise":
+        if self.on_error == "raise" or isinstance(exc, RemoteError):  # storage trouble is not a corrupt sample
             raise exc
         self.errors += 1
         if self.errors == 1 or self.errors % 100 == 0:
@@ -294,6 +294,8 @@ class PackedIterableDataset(IterableDataset):
         info = get_worker_info()
         if info is not None:
             seq = worker_slice(seq, info.id, info.num_workers, self.batch_size)
+        if hasattr(self.reader, "plan"):  # remote shards: fetch whole, in this order, prefetching
+            self.reader.plan(seq)
         self._yielded = self._start
         step = max(1, min(self.batch_size, 64))
         for a in range(0, len(seq), step):
@@ -316,8 +318,20 @@ class PackedIterableDataset(IterableDataset):
         self.epoch, self._start = int(state["epoch"]), int(state["consumed"])
 
 
-def open_dataset(path: str | Path, *, iterable: bool = False, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
-    """Open any packed dataset (the format comes from its manifest)."""
+def open_dataset(path: str | Path, *, iterable: bool = False, cache_dir: str | Path | None = None,
+                 cache_limit: int | str | None = None, storage_options: dict[str, Any] | None = None,
+                 **kwargs: Any) -> PackedDataset | PackedIterableDataset:
+    """Open any packed dataset (the format comes from its manifest). A URL (``s3://``,
+    ``https://``, any fsspec URL) reads through a local cache: see :func:`packio.remote.open_url`."""
+    from packio.remote import is_url
+
+    if is_url(path):
+        from packio.remote import open_url
+
+        reader = open_url(path, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)
+        ds = (PackedIterableDataset if iterable else PackedDataset)(reader, **kwargs)
+        ds.path = str(path)
+        return ds
     return (PackedIterableDataset if iterable else PackedDataset)(path, **kwargs)
 
 

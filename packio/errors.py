@@ -30,3 +30,8 @@ class CorruptSampleError(PackioError):
 
     def __reduce__(self) -> tuple:
         return (CorruptSampleError, (str(self),))
+
+
+class RemoteError(PackioError):
+    """A remote dataset (s3://, https://, ...) cannot be read or written: missing
+    object, checksum mismatch, the store unreachable after retries, or no client."""

@@ -39,8 +39,17 @@ def format_for_path(path: str | Path) -> FormatSpec:
                       f"use one of {known}, or pass --format")
 
 
-def open_reader(path: str | Path) -> Reader:
-    """Open a packed dataset: by its manifest, an HDF5 signature, or tar shards."""
+def open_reader(path: str | Path | Reader) -> Reader:
+    """Open a packed dataset: by its manifest, an HDF5 signature, or tar shards; a URL
+    through packio.remote (cache settings from the environment); a Reader as is."""
+    from packio.remote import is_url
+
+    if isinstance(path, Reader):
+        return path
+    if is_url(path):
+        from packio.remote import open_url
+
+        return open_url(path)
     p = Path(path)
     if p.is_dir() and (p / MANIFEST_NAME).is_file():
         manifest = Reader.read_manifest(p)
