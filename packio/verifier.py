@@ -32,9 +32,12 @@ class VerifyReport:
 
 def verify(path: str | Path) -> VerifyReport:
     """Check each file against the manifest and each sample against its checksum."""
+    from packio.remote import is_url
+
     reader = open_reader(path)
     report = VerifyReport(path=str(path), count=len(reader))
-    root = Path(path)
+    # a URL: every file comes through the cache (checked on download), then is checked here again
+    root = Path(path) if not is_url(path) else getattr(reader, "fetch_all", lambda: reader.path)()
     for rel, facts in reader.manifest.files.items():
         p = root / rel
         if not p.is_file():

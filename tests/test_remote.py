@@ -270,3 +270,21 @@ def test_server_restart_mid_epoch_retries_then_continues(tar_pair, s3_server):
     reader.join(120)
     assert not reader.is_alive() and not errors, errors
     assert sorted(k for k, _ in got) == sorted(want) and all(want[k] == v for k, v in got)
+
+
+def test_cli_convert_info_verify_a_url(gen_folder, tmp_path, bucket, s3_server, monkeypatch, capsys):
+    from packio.cli import main
+
+    src, csv = gen_folder
+    monkeypatch.setenv("PACKIO_CACHE_DIR", str(tmp_path / "cache"))
+    url = f"s3://{bucket}/cli.tar"
+    assert main(["convert", str(src), url, "--csv", str(csv), "--quiet"]) == 0
+    assert main(["info", url]) == 0
+    assert "samples:  14" in capsys.readouterr().out
+    assert main(["verify", url]) == 0
+    assert ": OK" in capsys.readouterr().out
+    assert main(["convert", str(src), url, "--quiet"]) == 2  # exists: refused without --overwrite
+    assert main(["convert", str(src), url, "--quiet", "--overwrite", "--shard-samples", "5"]) == 0
+    assert len(packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.manifest.extra["shards"]) == 3
+    names = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
+    assert sorted(names) == ["cli.tar/index.npy", "cli.tar/packio.json"] + [f"cli.tar/shard-00000{i}.tar" for i in range(3)]

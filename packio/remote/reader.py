@@ -206,6 +206,12 @@ class RemoteTarReader(TarReader):
     def __str__(self) -> str:
         return self.store.url
 
+    def fetch_all(self) -> Path:
+        """Download (and check) every file of the dataset into the cache; its folder there."""
+        for name, info in self.files.items():
+            self.cache.fetch(self.store, name, self.vdir, info).release()
+        return self.vdir
+
     # -- per-process handles ----------------------------------------------------------------
 
     def _open(self) -> None:
@@ -300,6 +306,19 @@ class RemoteTarReader(TarReader):
             k = int(np.searchsorted(plan.first, plan.pos - 1, side="right")) - 1
             self._h_prefetcher.allow(k + self.prefetch)
 
+    def _fetch_batch(self, indices: list[int]) -> None:
+        """Streaming: a batch that spans several missing shards (a shuffle window early
+        in an epoch) fetches them concurrently rather than one after another."""
+        if self._h_plan is None:
+            return
+        with self._h_lock:
+            missing = sorted({int(s) for s in self.index[indices, 0]} - set(self._h_pins))
+        if len(missing) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(4, len(missing)), thread_name_prefix="packio-fetch") as pool:
+                list(pool.map(lambda shard: self._local(shard, fetch=True), missing))
+
     def _stash(self, indices: list[int]) -> None:
         """Map-style: fetch the members of uncached shards by concurrent range reads."""
         if self._h_plan is not None:
@@ -340,6 +359,7 @@ class RemoteTarReader(TarReader):
         self._ensure_open()
         idx = [self.check_index(i) for i in indices]
         self._advance(len(idx))
+        self._fetch_batch(idx)
         self._stash(idx)
         try:
             return [super(RemoteTarReader, self).read(i) for i in idx]
