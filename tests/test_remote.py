@@ -95,7 +95,8 @@ def test_tar_over_http_range_reads(gen_folder, tmp_path, http_server):
                                  decode=False)
     keys = [x["key"] for x in stream]
     assert sorted(keys) == sorted(s.key for s in local.reader.read_many(list(range(14))))
-    assert sorted(p.name for p in (tmp_path / "cache").rglob("shard-*.tar")) == [f"shard-00000{i}.tar" for i in range(4)]
+    cached = sorted(p.name for p in (tmp_path / "cache").rglob("shard-*.tar"))
+    assert cached == [f"shard-00000{i}.tar" for i in range(4)]
 
 
 def test_dataloader_two_workers_exactly_once_one_download_per_shard(tar_pair, bucket, s3_server):
@@ -278,13 +279,13 @@ def test_cli_convert_info_verify_a_url(gen_folder, tmp_path, bucket, s3_server, 
     src, csv = gen_folder
     monkeypatch.setenv("PACKIO_CACHE_DIR", str(tmp_path / "cache"))
     url = f"s3://{bucket}/cli.tar"
-    assert main(["convert", str(src), url, "--csv", str(csv), "--quiet"]) == 0
+    assert main(["convert", str(src), url, "--csv", str(csv), "--quiet", "--shard-samples", "5"]) == 0
     assert main(["info", url]) == 0
     assert "samples:  14" in capsys.readouterr().out
     assert main(["verify", url]) == 0
     assert ": OK" in capsys.readouterr().out
     assert main(["convert", str(src), url, "--quiet"]) == 2  # exists: refused without --overwrite
-    assert main(["convert", str(src), url, "--quiet", "--overwrite", "--shard-samples", "5"]) == 0
-    assert len(packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.manifest.extra["shards"]) == 3
+    assert main(["convert", str(src), url, "--quiet", "--overwrite"]) == 0  # one shard now
+    assert len(packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.manifest.extra["shards"]) == 1
     names = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
-    assert sorted(names) == ["cli.tar/index.npy", "cli.tar/packio.json"] + [f"cli.tar/shard-00000{i}.tar" for i in range(3)]
+    assert sorted(names) == ["cli.tar/index.npy", "cli.tar/packio.json", "cli.tar/shard-000000.tar"]  # old shards gone

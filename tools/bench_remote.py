@@ -11,9 +11,10 @@ support, a child process). W1 = decode + resize 224, batches of 64, 2 DataLoader
 workers, iterable streaming with shuffle; each run is a fresh process; remote runs
 start with an empty packio cache ("cold") and are also run again on the filled
 cache ("warm"); local disk is read with its page cache as left by packing (the
-stricter baseline: the remote runs write and read their cache too). ``first batch`` is the time from creating the loader's iterator to
-the first batch; ``after first`` is samples/s from the first batch to the end (the
-target: >= 0.9 x local once the first shard is in).
+stricter baseline: the remote runs write and read their cache too). ``first batch``
+is the time from creating the loader's iterator to the first batch; ``after first``
+is samples/s from the first batch to the end (the target: >= 0.9 x local once the
+first shard is in).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ if name == "s3fs":
 else:
     import obstore
     from obstore.store import S3Store
-    make = lambda: bytes(obstore.get(S3Store.from_url("s3://clients", client_options={"allow_http": True}), "small").bytes())
+    store = lambda: S3Store.from_url("s3://clients", client_options={"allow_http": True})
+    make = lambda: bytes(obstore.get(store(), "small").bytes())
 make()
 pid = os.fork()
 if pid == 0:

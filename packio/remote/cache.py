@@ -79,7 +79,8 @@ def _lock(path: Path, mode: int, timeout: float) -> int:
             if time.monotonic() > deadline:
                 os.close(fd)
                 raise RemoteError(f"{path}: waited {timeout:.0f} s for another process to release this cache "
-                                  f"entry; is a download stuck? (remove the lock file if its process is gone)") from None
+                                  f"entry; is a download stuck? (remove the lock file if its process is gone)"
+                                  ) from None
             time.sleep(pause)
             pause = min(0.05, pause * 2)
 
@@ -110,7 +111,8 @@ class Pin:
 
 
 class Cache:
-    def __init__(self, root: str | Path | None = None, limit: int | str | None = None, lock_timeout: float = 900.0) -> None:
+    def __init__(self, root: str | Path | None = None, limit: int | str | None = None,
+                 lock_timeout: float = 900.0) -> None:
         self.root = Path(root) if root is not None else default_cache_dir()
         self.limit = parse_size(limit)
         self.lock_timeout = lock_timeout
@@ -230,7 +232,7 @@ class Cache:
             files = [p for p in _data_files(vdir)]
             if (vdir / WHOLE).exists():
                 try:
-                    used = (vdir / COMPLETE).stat().st_mtime if (vdir / COMPLETE).exists() else (vdir / WHOLE).stat().st_mtime
+                    used = (vdir / (COMPLETE if (vdir / COMPLETE).exists() else WHOLE)).stat().st_mtime
                 except OSError:
                     continue
                 size = sum(_size(p) for p in files)

@@ -65,7 +65,8 @@ def open_url(url: str, *, cache_dir: str | Path | None = None, cache_limit: int 
     except RemoteError:
         if not store.exists(MANIFEST_NAME):
             raise FormatError(f"{url}: no {MANIFEST_NAME} there: not a packed dataset, or its upload did not "
-                              f"finish (the manifest is uploaded last); pack it with 'packio convert SRC {url}'") from None
+                              f"finish (the manifest is uploaded last); pack it with 'packio convert SRC {url}'"
+                              ) from None
         raise
     manifest = Manifest.from_json(text, store.url_of(MANIFEST_NAME))
     files = _listing(manifest, url)
@@ -157,7 +158,7 @@ class _Prefetcher(threading.Thread):
     def run(self) -> None:
         for k, shard in enumerate(self.order):
             with self.cond:
-                if not self.cond.wait_for(lambda: self.stopped or k <= self.limit, timeout=self.IDLE):
+                if not self.cond.wait_for(lambda k=k: self.stopped or k <= self.limit, timeout=self.IDLE):
                     return
                 if self.stopped:
                     return

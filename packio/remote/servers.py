@@ -91,7 +91,8 @@ class SeaweedS3:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         # one volume per bucket (a bucket is a collection; the default grows 7 at once)
         (self.root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\ncopy_other = 1\n")
-        return [self.binary, "-logtostderr", f"-config_dir={self.root}", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
+        return [self.binary, "-logtostderr", f"-config_dir={self.root}", "server", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", f"-dir={data}",
                 f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
                 f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
                 "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
@@ -161,7 +162,8 @@ class SeaweedS3:
         """GET requests the S3 gateway answered for ``bucket`` (whole objects and ranges)."""
         m = self.metrics()
         return int(sum(v for k, v in m.items() if k.startswith("SeaweedFS_s3_request_total{")
-                       and f'bucket="{bucket}"' in k and 'type="GET"' in k and ('code="200"' in k or 'code="206"' in k)))
+                       and f'bucket="{bucket}"' in k and 'type="GET"' in k
+                       and ('code="200"' in k or 'code="206"' in k)))
 
     def log_tail(self, n: int = 2000) -> str:
         try:

@@ -123,7 +123,7 @@ class Store:
         if not rel:
             return []
         where = rel[0] if len(set(rel)) == 1 else ""
-        return self.call("range read", where, 
+        return self.call("range read", where,
                          lambda fs, _: fs.cat_ranges([self._path(r) for r in rel], starts, ends, on_error="raise"))
 
     def get(self, rel: str, local: Path) -> None:
