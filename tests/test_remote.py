@@ -99,16 +99,19 @@ def test_tar_over_http_range_reads(gen_folder, tmp_path, http_server):
     assert cached == [f"shard-00000{i}.tar" for i in range(4)]
 
 
-def test_dataloader_two_workers_exactly_once_one_download_per_shard(tar_pair, bucket, s3_server):
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_dataloader_two_workers_exactly_once_one_download_per_shard(ctx, tar_pair, bucket, s3_server):
     url, local, cache = tar_pair
     want = payloads(packio.open_dataset(local, decode=False).reader)
     before = s3_server.gets(bucket)
     stream = packio.open_dataset(url, iterable=True, shuffle=True, seed=1, cache_dir=cache, decode=False)
-    loader = packio.DataLoader(stream, batch_size=4, num_workers=2)
-    got = [(k, bytes(img)) for batch in loader for k, img in zip(batch["key"], batch["image"])]
-    assert sorted(k for k, _ in got) == sorted(want)  # every sample exactly once
-    assert all(want[k] == v for k, v in got)
-    # the server's own count: manifest + index + each of the 5 shards, once, for two workers
+    loader = packio.DataLoader(stream, batch_size=4, num_workers=2, multiprocessing_context=ctx,
+                               persistent_workers=True)
+    for _ in range(2):  # persistent workers: the second epoch re-plans in the same processes
+        got = [(k, bytes(img)) for batch in loader for k, img in zip(batch["key"], batch["image"])]
+        assert sorted(k for k, _ in got) == sorted(want)  # every sample exactly once
+        assert all(want[k] == v for k, v in got)
+    # the server's own count: manifest + index + each of the 5 shards, once, for two workers and two epochs
     assert s3_server.gets(bucket) - before == 1 + 1 + 5
 
 
