@@ -129,7 +129,12 @@ class _Plan:
         if n:
             u, rev_first = np.unique(shard_of[::-1], return_index=True)
             self.last[u] = n - 1 - rev_first
-        self.pos = 0
+        self.pos = 0  # samples read so far
+        self.start = 0  # where the batch being read starts
+
+    def behind(self, shard: int) -> bool:
+        """True once the reading is past this shard's last sample (or it is not in the plan)."""
+        return bool(self.last[shard] < self.start)
 
 
 class _Prefetcher(threading.Thread):
@@ -137,9 +142,9 @@ class _Prefetcher(threading.Thread):
 
     IDLE = 600.0  # seconds without progress before it gives up (an abandoned iteration)
 
-    def __init__(self, reader: "RemoteTarReader", order: list[int], ahead: int) -> None:
+    def __init__(self, reader: "RemoteTarReader", plan: _Plan, ahead: int) -> None:
         super().__init__(name="packio-prefetch", daemon=True)
-        self.reader, self.order = reader, order
+        self.reader, self.plan, self.order = reader, plan, plan.order
         self.limit = ahead
         self.stopped = False
         self.cond = threading.Condition()
@@ -162,8 +167,10 @@ class _Prefetcher(threading.Thread):
                     return
                 if self.stopped:
                     return
+            if self.reader.__dict__.get("_h_plan") is not self.plan or self.plan.behind(shard):
+                continue  # the reading got there first
             try:
-                self.reader._local(shard, fetch=True)
+                self.reader._local(shard, fetch=True, ahead=True)
             except Exception as exc:  # the reader meets the same error when it gets there, and raises it
                 log.debug("packio: prefetch of shard %d failed: %s", shard, exc)
 
@@ -227,33 +234,36 @@ class RemoteTarReader(TarReader):
         owner = self._pid == os.getpid()  # False after fork: the parent's locks stay the parent's
         pf = self.__dict__.pop("_h_prefetcher", None)
         if pf is not None and owner:
-            pf.stop()
-            pf.join(30)
+            pf.stop()  # a download under way finishes on its own (daemon thread) and unpins itself
         for pin in self.__dict__.pop("_h_pins", {}).values():
             pin.release() if owner else pin.forget()
         for k in ("_h_lock", "_h_ranges", "_h_plan"):
             self.__dict__.pop(k, None)
         super()._drop_handles()
 
-    def _local(self, shard: int, fetch: bool) -> bool:
+    def _local(self, shard: int, fetch: bool, ahead: bool = False) -> bool:
         """Pin ``shard`` in the cache (downloading it when ``fetch``); False when it is
-        not cached and ``fetch`` is off."""
-        with self._h_lock:
-            if shard in self._h_pins:
-                self._h_pins.move_to_end(shard)
+        not cached and ``fetch`` is off. ``ahead``: a prefetch, dropped if the reading
+        has meanwhile gone past the shard."""
+        lock, pins = self._h_lock, self._h_pins
+        with lock:
+            if shard in pins:
+                pins.move_to_end(shard)
                 return True
         name = self.names[shard]
         if not fetch and not (self.vdir / name).is_file():
             return False
         pin = self.cache.fetch(self.store, name, self.vdir, self.files[name])
-        with self._h_lock:
-            if shard in self._h_pins:  # another thread pinned it meanwhile
-                pin.release()
-            else:
-                self._h_pins[shard] = pin
-            if self._h_plan is None:
-                while len(self._h_pins) > self.max_open:
-                    self._release(next(iter(self._h_pins)))
+        with lock:
+            plan = self.__dict__.get("_h_plan")
+            late = ahead and plan is not None and plan.behind(shard)
+            if shard in pins or self.__dict__.get("_h_pins") is not pins or late:
+                pin.release()  # pinned meanwhile, closed, or a late prefetch of a shard already read
+                return shard in pins
+            pins[shard] = pin
+            if plan is None:
+                while len(pins) > self.max_open:
+                    self._release(next(iter(pins)))
         return True
 
     def _release(self, shard: int) -> None:
@@ -291,16 +301,16 @@ class RemoteTarReader(TarReader):
         self._h_plan = plan
         self._h_prefetcher = None
         if self.prefetch and len(plan.order) > 1:
-            self._h_prefetcher = _Prefetcher(self, plan.order, self.prefetch)
+            self._h_prefetcher = _Prefetcher(self, plan, self.prefetch)
             self._h_prefetcher.start()
 
     def _advance(self, n: int) -> None:
         plan = self._h_plan
         if plan is None:
             return
-        start = plan.pos
-        plan.pos += n
         with self._h_lock:
+            plan.start = start = plan.pos
+            plan.pos += n
             for shard in [s for s in self._h_pins if plan.last[s] < start]:
                 self._release(shard)
         if self._h_prefetcher is not None:
