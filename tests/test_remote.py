@@ -134,6 +134,17 @@ def test_resume_mid_epoch(tar_pair):
     assert first + rest == full and len(set(full)) == 14
 
 
+def test_two_ranks_split_the_epoch_like_local_data(tar_pair):
+    url, local, cache = tar_pair
+    split = {}
+    for where, kw in ((url, {"cache_dir": cache}), (str(local), {})):
+        split[where] = [[k for b in packio.DataLoader(packio.open_dataset(
+            where, iterable=True, shuffle=True, seed=5, rank=r, world_size=2, decode=False, **kw), batch_size=2)
+            for k in b["key"]] for r in range(2)]
+    assert split[url] == split[str(local)]  # the same order, rank by rank, as the local copy
+    assert sorted(split[url][0] + split[url][1]) == sorted(payloads(packio.open_dataset(local, decode=False).reader))
+
+
 def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
     url, local, cache = tar_pair
     stream = packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False)

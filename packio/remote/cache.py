@@ -120,8 +120,13 @@ class Cache:
         self._warned = False
 
     def version_dir(self, url: str, version: str) -> Path:
-        scheme, _, rest = url.partition("://")
-        parts = [_safe(scheme)] + [_safe(p) for p in rest.split("/") if p] + [_safe(version)]
+        """``ROOT/scheme/host/path/version``: no user name, password or query string
+        (signed URLs carry tokens there) ends up in a folder name."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url)
+        host = (u.hostname or "") + (f"_{u.port}" if u.port is not None else "")
+        parts = [_safe(u.scheme), _safe(host)] + [_safe(p) for p in u.path.split("/") if p] + [_safe(version)]
         vdir = self.root.joinpath(*parts)
         vdir.mkdir(parents=True, exist_ok=True)
         (vdir / MARK).touch()

@@ -34,8 +34,11 @@ class _ShardUploader(threading.Thread):
         from packio.converter import TMP_MARK
 
         for tmp in self.local.parent.glob(f".{self.local.name}{TMP_MARK}*"):
-            shards = sorted(tmp.glob("*.tar"))
-            return [s for s in shards[:-1] if s.name not in self.done]  # the last one may still grow
+            try:
+                shards = sorted((p for p in tmp.glob("*.tar") if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
+            except OSError:  # renamed into place meanwhile
+                return []
+            return [s for s in shards[:-1] if s.name not in self.done]  # the newest one may still grow
         return []
 
     def run(self) -> None:
