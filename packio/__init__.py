@@ -19,9 +19,9 @@ _LAZY = {
     "Sample": "packio.sample",
     "Manifest": "packio.manifest",
     "PackioError": "packio.errors", "SourceError": "packio.errors", "FormatError": "packio.errors",
-    "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors",
+    "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors", "StateError": "packio.errors",
     "open_dataset": "packio.datasets", "PackedDataset": "packio.datasets",
-    "PackedIterableDataset": "packio.datasets", "DataLoader": "packio.datasets",
+    "PackedIterableDataset": "packio.datasets", "DataLoader": "packio.loading",
     "ResumableSampler": "packio.datasets",
     **{f"{p}{kind}": "packio.datasets" for p in ("LMDB", "HDF5", "Tar", "BMP", "Array")
        for kind in ("Dataset", "IterableDataset")},

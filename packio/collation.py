@@ -28,6 +28,33 @@ def ragged(parts: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor
     return r if packed else r.split()
 
 
+def batch_buffer(n: int, h: int, w: int) -> torch.Tensor:
+    """``uint8[n, h, w, 3]`` for a batch's images; in a DataLoader worker it is made
+    in shared memory, so the batch crosses to the main process without a copy."""
+    if get_worker_info() is None:
+        return torch.empty((n, h, w, 3), dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(n * h * w * 3)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(n, h, w, 3)
+
+
+def slots_of_one_buffer(images: list[Any]) -> torch.Tensor | None:
+    """``[B, C, H, W]`` over the buffer when ``images`` are its consecutive HWC slots,
+    first to last (what one batch read of packio's datasets hands out), else None."""
+    first = images[0]
+    if not isinstance(first, torch.Tensor) or first.dim() != 3:
+        return None
+    c, h, w = first.shape
+    if first.stride() != (1, w * c, c):
+        return None
+    storage, start, step = first.untyped_storage(), first.storage_offset(), c * h * w
+    for j, im in enumerate(images):
+        if (not isinstance(im, torch.Tensor) or im.dtype != first.dtype or im.shape != first.shape
+                or im.stride() != first.stride() or im.storage_offset() != start + j * step
+                or im.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+    return first.new_empty(0).set_(storage, start, (len(images), h, w, c)).permute(0, 3, 1, 2)
+
+
 def unpack(batch: Any) -> Any:
     """Turn a worker's packed batch (Ragged fields) back into lists of tensors."""
     if isinstance(batch, dict):
@@ -37,7 +64,7 @@ def unpack(batch: Any) -> Any:
     return batch
 
 
-def collate(items: list[dict[str, Any] | None] | dict[str, Any], packed: bool = False) -> dict[str, Any]:
+def collate(items: list[dict[str, Any] | None], packed: bool = False) -> dict[str, Any]:
     """List of sample dicts → one batch dict.
 
     ``image``: one ``[B, C, H, W]`` tensor when all shapes agree (decoded images come
@@ -47,14 +74,15 @@ def collate(items: list[dict[str, Any] | None] | dict[str, Any], packed: bool = 
     ``packio.DataLoader``, which unpacks them). ``None`` items (skipped corrupt
     samples) are dropped.
     """
-    if not isinstance(items, list):  # already a batch (a reader's whole-batch fast path), or deferred
-        return items
     items = [x for x in items if x is not None]
     if not items:
         return {"image": [], "label": torch.zeros(0, dtype=torch.int64), "boxes": [], "box_labels": [],
                 "key": [], "index": torch.zeros(0, dtype=torch.int64)}
-    images = [x["image"] for x in items]
-    if all(isinstance(im, torch.Tensor) for im in images) and len({im.shape for im in images}) == 1:
+    images: Any = [x["image"] for x in items]
+    block = slots_of_one_buffer(images)
+    if block is not None:
+        images = block  # already one batch buffer: no stack, no copy
+    elif all(isinstance(im, torch.Tensor) for im in images) and len({im.shape for im in images}) == 1:
         # Decoded images are CHW views of HWC pixels: stack the HWC memory (a plain
         # copy; stacking the strided views is slower, see tools/bench_levers.py) and
         # return NCHW in channels_last memory.

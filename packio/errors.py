@@ -30,3 +30,7 @@ class CorruptSampleError(PackioError):
 
     def __reduce__(self) -> tuple:
         return (CorruptSampleError, (str(self),))
+
+
+class StateError(PackioError, ValueError):
+    """A resume state that cannot continue this dataset or sampler exactly."""
