@@ -1,8 +1,7 @@
-"""Beyond one machine: Dask conversion into parts, multi-part reading, real DDP."""
+"""Beyond one machine: Dask conversion into parts, multi-part reading (real DDP: test_ddp.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 import packio
-from conftest import ROOT, shared
+from conftest import shared
 
 distributed = pytest.importorskip("dask.distributed")
 
@@ -121,31 +120,3 @@ def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "packed 14 samples" in r.stdout and len(list((tmp_path / "o.tar").glob("part-*.tar"))) == 3
-
-
-def _torchrun(tmp_path: Path, data: Path, mode: str) -> list[dict]:
-    out = tmp_path / f"ddp-{mode}"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "ddp_worker.py"), str(data), str(out), mode]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
-
-
-@pytest.mark.parametrize("mode", ["iterable", "map"])
-def test_torchrun_two_ranks(tmp_path, gen_folder, mode):
-    src, csv = gen_folder
-    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
-    n = 14
-    ranks = _torchrun(tmp_path, tmp_path / "d.lmdb", mode)
-    # full epoch, no padding: disjoint, union is everything
-    a, b = (set(r["epoch"]) for r in ranks)
-    assert not a & b and sorted(a | b) == list(range(n))
-    # padded: equal counts per rank, everything covered
-    assert len(ranks[0]["padded"]) == len(ranks[1]["padded"]) == 7
-    # resume after a checkpoint mid-epoch, on both ranks: the rest of the epoch, in order
-    for r in ranks:
-        assert r["before"] + r["after"] == r["epoch_again"]
-        assert len(r["before"]) > 0 and len(r["after"]) > 0
-    assert ranks[0]["world"] == 2 and ranks[1]["rank"] == 1
