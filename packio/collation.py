@@ -16,14 +16,18 @@ class Ragged:
 
     def __init__(self, parts: list[torch.Tensor]) -> None:
         self.flat = torch.cat(parts) if parts else torch.zeros(0)
-        self.lengths = [len(p) for p in parts]
+        self.lengths = [p.shape[0] for p in parts]
 
     def split(self) -> list[torch.Tensor]:
         return list(self.flat.split(self.lengths)) if self.lengths else []
 
 
 def ragged(parts: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor] | Ragged:
-    """Per-sample tensors as views of one block (``packed``: the Ragged itself)."""
+    """``packed``: one Ragged. Otherwise, in a DataLoader worker, views of one block
+    (one shared-memory segment to send, not one per tensor); in the main process
+    the tensors themselves."""
+    if not packed and get_worker_info() is None:
+        return list(parts)
     r = Ragged(parts)
     return r if packed else r.split()
 
@@ -41,18 +45,19 @@ def slots_of_one_buffer(images: list[Any]) -> torch.Tensor | None:
     """``[B, C, H, W]`` over the buffer when ``images`` are its consecutive HWC slots,
     first to last (what one batch read of packio's datasets hands out), else None."""
     first = images[0]
-    if not isinstance(first, torch.Tensor) or first.dim() != 3:
+    if not isinstance(first, torch.Tensor) or first._base is None or first.dim() != 3:
         return None
-    c, h, w = first.shape
-    if first.stride() != (1, w * c, c):
+    base, shape, stride = first._base, first.shape, first.stride()
+    c, h, w = shape
+    if stride != (1, w * c, c):
         return None
-    storage, start, step = first.untyped_storage(), first.storage_offset(), c * h * w
-    for j, im in enumerate(images):
-        if (not isinstance(im, torch.Tensor) or im.dtype != first.dtype or im.shape != first.shape
-                or im.stride() != first.stride() or im.storage_offset() != start + j * step
-                or im.untyped_storage().data_ptr() != storage.data_ptr()):
+    ptr, step = first.data_ptr(), c * h * w * first.element_size()
+    for j, im in enumerate(images):  # views of one base tensor (so of one allocation), slot after slot
+        if (not isinstance(im, torch.Tensor) or im._base is not base or im.data_ptr() != ptr + j * step
+                or im.shape != shape or im.stride() != stride):
             return None
-    return first.new_empty(0).set_(storage, start, (len(images), h, w, c)).permute(0, 3, 1, 2)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (len(images), h, w, c)).permute(0, 3, 1, 2)
 
 
 def unpack(batch: Any) -> Any:

@@ -234,9 +234,12 @@ class Items:
 
     @staticmethod
     def _gathered(got: dict[str, Any]) -> list[Item]:
-        """Items over a reader's whole-batch gather: images are views of its block."""
+        """Items over a reader's whole-batch gather: images are views of its block,
+        boxes views of one copy of the batch's boxes (a few calls per batch, not per sample)."""
         block = torch.from_numpy(np.ascontiguousarray(got["image"]))
-        return [{"image": block[j].permute(2, 0, 1), "label": int(got["label"][j]),
-                 "boxes": torch.from_numpy(np.array(got["boxes"][j], np.float32).reshape(-1, 4)),
-                 "box_labels": torch.from_numpy(np.array(got["box_labels"][j], np.int64)),
-                 "key": str(got["key"][j]), "index": int(got["index"][j])} for j in range(len(block))]
+        counts = [len(b) for b in got["boxes"]]
+        boxes = torch.from_numpy(np.concatenate(got["boxes"]).astype(np.float32).reshape(-1, 4)).split(counts)
+        box_labels = torch.from_numpy(np.concatenate(got["box_labels"]).astype(np.int64)).split(counts)
+        return [{"image": image, "label": label, "boxes": b, "box_labels": bl, "key": str(key), "index": index}
+                for image, label, b, bl, key, index in zip(block.permute(0, 3, 1, 2).unbind(0), got["label"].tolist(),
+                                                           boxes, box_labels, got["key"], got["index"].tolist())]
