@@ -130,6 +130,7 @@ class _Resumable:
 
     def set_epoch(self, epoch: int) -> None:
         epoch = check_int("epoch", epoch, 0)
+        self._check_world()
         if epoch != self.epoch:
             self._set_position(epoch, 0)
             self._pass, self._generation = None, self._generation + 1
@@ -143,12 +144,16 @@ class _Resumable:
     def _remaining_here(self) -> int:
         return rank_lengths(max(0, self.length - self._get_position()[1]), self.world_size, self.even)[self.rank]
 
-    def _begin(self) -> _Pass:
-        """A pass in the training process (the sampler's, a main-process dataset's, or a loader's)."""
+    def _check_world(self) -> None:
+        """Catch a dataset or sampler built before init_process_group() (it would read everything on every rank)."""
         if not self._explicit_world and dist_world() not in (None, self.world_size):
             raise PackioError(f"this {type(self).__name__} was built for a world of {self.world_size} rank(s), "
                               f"but torch.distributed now has {dist_world()}: build it after "
                               f"init_process_group(), or pass rank= and world_size=")
+
+    def _begin(self) -> _Pass:
+        """A pass in the training process (the sampler's, a main-process dataset's, or a loader's)."""
+        self._check_world()
         epoch, start = self._get_position()
         return _Pass(epoch, self.split(epoch, start), self._generation)
 

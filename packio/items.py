@@ -137,6 +137,9 @@ class Decoder:
 
     def __init__(self, decode: bool, size: tuple[int, int] | None, transform: Callable[[torch.Tensor], Any] | None,
                  backend: str, verify: bool) -> None:
+        if backend != "auto" and backend not in dec.available_backends():
+            # checked here: at decode time it would read as a corrupt sample, every sample
+            raise ValueError(f"backend must be 'auto' or one of {dec.available_backends()}, not {backend!r}")
         self.decode, self.size, self.transform, self.backend, self.verify = decode, size, transform, backend, verify
 
     def __call__(self, index: int, s: Sample, slot: torch.Tensor | None = None) -> Item:

@@ -70,8 +70,15 @@ def state_check(path: str, out: Path, rank: int) -> None:
 
 def main() -> None:
     plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    early = packio.ResumableSampler(10)  # built before init_process_group(): it would read everything
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    try:
+        early.set_epoch(1)
+        caught = ""
+    except packio.PackioError as exc:
+        caught = str(exc)
+    (out / f"early.rank{rank}.txt").write_text(caught)
     for sc in plan["scenarios"]:
         run(sc, out, rank)
         dist.barrier()

@@ -155,6 +155,8 @@ def test_torchrun_matrix_every_sample_once_per_epoch(ddp):
 
 
 def test_torchrun_state_is_the_same_on_every_rank(ddp):
+    for r in range(2):  # and a sampler built before init_process_group() is caught, not silently unsplit
+        assert "init_process_group" in (ddp["out"] / f"early.rank{r}.txt").read_text()
     for kind in ("iterable", "map"):
         states = json.loads((ddp["out"] / f"states-{kind}.json").read_text())
         assert states[0] == states[1] and states[0]["consumed"] == 3 * 4 * 2 and states[0]["world_size"] == 2
