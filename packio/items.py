@@ -161,9 +161,9 @@ class Items:
     """What the datasets call: indices → item dicts (``None`` for a skipped sample).
 
     A batch of indices is read in one go, and when every output image has one
-    shape its items' images are consecutive slots of one ``[B, H, W, 3]`` buffer
-    (in shared memory inside a DataLoader worker): decoded and resized straight
-    into it, or gathered into it by fixed-shape raw formats. They are still plain
+    shape its items' images are consecutive slots of one ``[B, H, W, 3]`` buffer:
+    decoded and resized straight into it (made in shared memory inside a DataLoader
+    worker), or the block a fixed-shape raw format gathers in one read. They are still plain
     per-sample dicts (torch's ``__getitems__`` contract); ``packio.collate`` sees
     the slots and hands out the buffer itself instead of stacking a copy.
     """
