@@ -142,17 +142,21 @@ class Decoder:
             raise ValueError(f"backend must be 'auto' or one of {dec.available_backends()}, not {backend!r}")
         self.decode, self.size, self.transform, self.backend, self.verify = decode, size, transform, backend, verify
 
-    def __call__(self, index: int, s: Sample, slot: torch.Tensor | None = None) -> Item:
-        """``slot``: a ``uint8[h, w, 3]`` slot of a batch buffer to resize into."""
+    def __call__(self, index: int, s: Sample, slot: tuple[np.ndarray, torch.Tensor] | None = None) -> Item:
+        """``slot``: a batch buffer's ``uint8[h, w, 3]`` slot to resize into, and its CHW view."""
         if self.verify:
             verify(s)
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
             raw = isinstance(s.payload, np.ndarray)
             return item(index, s, chw(s.payload) if raw else s.payload, _boxes_for(s, s.height, s.width))
         img = pixels(s, self.backend, self.size)
-        if self.size is not None:
-            img = dec.resize(img, self.size, out=None if slot is None else slot.numpy())
-        image = chw(slot if slot is not None else np.ascontiguousarray(img))
+        if slot is not None:
+            img = dec.resize(img, self.size, out=slot[0])  # type: ignore[arg-type]
+            image = slot[1]
+        else:
+            if self.size is not None:
+                img = dec.resize(img, self.size)
+            image = chw(np.ascontiguousarray(img))
         boxes = _boxes_for(s, img.shape[0], img.shape[1])
         return item(index, s, image if self.transform is None else self.transform(image), boxes)
 
@@ -222,14 +226,17 @@ class Items:
         samples = read_samples(self.reader, indices)
         d = self.decoder
         fixed = d.decode and d.size is not None and d.transform is None and len(indices) > 1
-        buf = batch_buffer(len(indices), *d.size) if fixed else None  # type: ignore[misc]
+        slots: list[Any] = [None] * len(indices)
+        if fixed:  # views made once per batch, not once per sample
+            buf = batch_buffer(len(indices), *d.size)  # type: ignore[misc]
+            slots = list(zip(buf.numpy(), buf.permute(0, 3, 1, 2).unbind(0)))
 
         def one(j: int) -> Item | PackioError:
             s = samples[j]
             if isinstance(s, PackioError):
                 return s
             try:
-                return d(indices[j], s, None if buf is None else buf[j])
+                return d(indices[j], s, slots[j])
             except PackioError as exc:
                 return exc
 
