@@ -465,3 +465,10 @@ def test_foreign_shard_with_exif_orientation(tmp_path):
         assert tuple(item["image"].shape[1:]) == (UPRIGHT_H, UPRIGHT_W)
         check_truth(item["image"].numpy(), item["boxes"].numpy(), _names(names, item["box_labels"]),
                     f"packed {item['key']}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.sampled_from([b"\xff\xd8\xff", b"\xff\xd8\xff\xe1\x00\x10Exif\x00\x00",
+                                                 b"\x89PNG\r\n\x1a\n", b""]))
+def test_exif_orientation_never_raises_on_garbage(tail: bytes, head: bytes) -> None:
+    assert dec.exif_orientation(head + tail) in geo.ORIENTATIONS
