@@ -25,7 +25,10 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         spec = ResizeSpec(size=a.size, short_side=a.short_side, crop=a.crop)
     except ValueError as exc:
         raise SystemExit(f"packio: error: {exc}") from None
-    summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=parse_columns(a.csv_columns),
+    columns = parse_columns(a.csv_columns)
+    if a.label_column:
+        columns["label"] = a.label_column
+    summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=columns,
                       workers=a.workers, strict=a.strict, resize=spec, quality=a.quality,
                       overwrite=a.overwrite, shard_samples=a.shard_samples, shard_bytes=a.shard_bytes,
                       progress=False if a.quiet else None, scheduler=a.scheduler, parts=a.parts)
@@ -83,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--csv", help="CSV of annotation rows (filename,class,xmin,ymin,xmax,ymax,...)")
     c.add_argument("--csv-columns", metavar="MAP",
                    help="map fields to your CSV's columns, e.g. filename=path,class=cell_type")
+    c.add_argument("--label-column", metavar="COL",
+                   help="the CSV column that labels the images (default: 'label'; without box columns, "
+                        "'label' or else 'class')")
     c.add_argument("--workers", type=int, default=0, help="local processes reading/checking inputs (default 0)")
     c.add_argument("--scheduler", metavar="ADDR",
                    help="Dask scheduler (tcp://host:8786): pack partitions as parts on the cluster (packio[dask])")

@@ -22,14 +22,16 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from packio import decode as dec
+from packio import geometry as geo
 from packio.errors import OutputExistsError, PackioError, SourceError
 from packio.formats import format_for_path, get_format, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, checksum
-from packio.sources import SourceItem, scan_source
+from packio.sources import SourceItem, boxes_to_stored_frame, scan_source
 
 TMP_MARK = ".packio-tmp-"
+REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Summary:
         lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
         if self.info.get("duplicate_content"):
             lines.append(f"note: {self.info['duplicate_content']} samples are byte-identical to another (kept)")
+        lines += [f"note: {n} x {what}" for what, n in sorted(self.info.get("notes", {}).items())]
         return "\n".join(lines)
 
 
@@ -65,37 +68,49 @@ class _Prep:
     reader: Reader | None = None  # set when the source is a packed dataset
 
 
-Result = tuple[Sample | None, str, str]  # (sample, skip reason, where)
+Result = tuple[Sample | None, str, str]  # (sample, skip reason / for a kept sample: notes, where)
 
 
-def _finish(prep: _Prep, s: Sample, where: str) -> Result:
-    """Re-encode / resize a sample for the target payload kind."""
-    if not prep.resize.active and (
+def _finish(prep: _Prep, s: Sample, where: str, orientation: int | None = None) -> Result:
+    """Re-encode / resize a sample for the target payload kind.
+
+    Stored images are always upright: an EXIF orientation is applied here to the
+    pixels and the boxes together (``s.boxes`` are in the frame of ``s.payload`` as
+    stored), and the image re-encoded even when it would otherwise be kept as found.
+    A kept sample's second field carries notes for the summary ("; "-separated)."""
+    if orientation is None:
+        orientation = 1 if isinstance(s.payload, np.ndarray) else dec.exif_orientation(s.payload)
+    if orientation == 1 and not prep.resize.active and (
             (prep.payload == "encoded" and s.encoding != "raw") or (prep.payload == s.encoding)):
         return s, "", where
     if isinstance(s.payload, np.ndarray):
         img = s.payload
     else:
         try:
-            img = dec.decode(s.payload, apply_exif=True)
+            img = dec.decode(s.payload)  # pixels as stored; the orientation is applied below, with the boxes
         except ValueError as exc:
             return None, "corrupt image data", f"{where} ({exc})"
     boxes, box_labels = s.boxes, s.box_labels
+    if orientation != 1:
+        boxes = geo.orient(boxes, orientation, img.shape[1], img.shape[0])
+        img = np.ascontiguousarray(geo.orient_image(img, orientation))
     if prep.resize.active:
-        img, boxes, keep = dec.apply_spec(img, boxes, prep.resize)
-        boxes, box_labels = boxes[keep], box_labels[keep]
+        img, boxes, box_labels = dec.apply_spec(img, boxes, box_labels, prep.resize)
     if prep.payload == "raw":
         payload, enc = img, "raw"
     elif prep.payload == "bmp":
         payload, enc = dec.encode(img, "bmp"), "bmp"
     elif prep.resize.active:
         payload, enc = dec.encode(img, "jpeg", prep.quality), "jpeg"
-    else:  # raw pixels into an encoded format, no resize asked: keep them lossless
+    elif s.encoding in ("jpeg", "webp"):  # only turned upright: a lossy source stays JPEG, at high quality
+        payload, enc = dec.encode(img, "jpeg", max(prep.quality, 95)), "jpeg"
+    else:  # raw pixels into an encoded format, or a lossless source turned upright: keep them lossless
         payload, enc = dec.encode(img, "png"), "png"
+    meta = dict(s.meta, exif_orientation=orientation) if orientation != 1 else s.meta
     out = Sample(key=s.key, payload=payload, encoding=enc, label=s.label, boxes=boxes,
-                 box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=s.meta)
+                 box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=meta)
     out.checksum = checksum(out.payload)
-    return out, "", where
+    return out, REORIENTED if orientation != 1 else "", where
 
 
 def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
@@ -119,11 +134,16 @@ def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
         return None, "image too large (decompression bomb guard)", f"{item.path} ({w}x{h})"
     if enc == "jpeg" and b"\xff\xd9" not in data[-4096:]:
         return None, "truncated JPEG (no end marker)", item.path
-    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label,
-               boxes=np.asarray(item.boxes, np.float32).reshape(-1, 4),
+    orientation = dec.exif_orientation(data)
+    placed = boxes_to_stored_frame(item, w, h, orientation)
+    if isinstance(placed, str):
+        return None, "CSV width/height fit neither the image nor its EXIF-upright view", f"{item.path} ({placed})"
+    boxes, notes = placed
+    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label, boxes=boxes,
                box_labels=np.asarray(item.box_labels, np.int64), width=w, height=h)
     s.checksum = checksum(data)
-    return _finish(prep, s, item.path)
+    out, note, where = _finish(prep, s, item.path, orientation)
+    return out, "; ".join(filter(None, [note, *notes])) if out is not None else note, where
 
 
 def _prepare_packed(prep: _Prep, index: int) -> Result:
@@ -205,6 +225,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
 
     summary = Summary(output=str(dst), format=spec.name)
+    notes: Counter[str] = Counter()
     payload = spec.payload_for(resize.fixed_shape)
     if packed_src:
         reader = open_reader(src)
@@ -216,6 +237,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         scan = scan_source(src, csv, columns, strict=strict)
         summary.skipped.update(scan.skipped)
         summary.problems += scan.problems
+        notes.update(scan.notes)
         classes, tasks = scan.classes, scan.items
         fn = functools.partial(_prepare_file, _Prep(payload, resize, quality, max_pixels))
         source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
@@ -231,13 +253,15 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     try:
         if scheduler is None:
             part = _write_part(job, fn, tasks, tmp, workers=workers, progress=progress,
-                               skipped=Counter(summary.skipped))
+                               skipped=Counter(summary.skipped), notes=Counter(notes))
         else:
-            part = _write_parts(job, fn, tasks, tmp, scheduler, parts, progress, Counter(summary.skipped))
+            part = _write_parts(job, fn, tasks, tmp, scheduler, parts, progress, Counter(summary.skipped),
+                                Counter(notes))
         summary.skipped = Counter(part["skipped"])
         summary.problems += part["problems"]
         summary.packed = part["count"]
         summary.info["duplicate_content"] = part["duplicate_content"]
+        summary.info["notes"] = dict(part["notes"])
         _fsync_tree(tmp)
         if dst.exists():  # overwrite: swap in the new output, then drop the old one
             old = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-old")
@@ -271,10 +295,12 @@ class _Job:
 
 
 def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: Path, *, workers: int = 0,
-                progress: bool | None = False, skipped: Counter[str] | None = None) -> dict[str, Any]:
+                progress: bool | None = False, skipped: Counter[str] | None = None,
+                notes: Counter[str] | None = None) -> dict[str, Any]:
     """Write ``tasks`` as one complete, self-describing dataset at ``path``."""
     spec = get_format(job.format)
     skipped = Counter(skipped or {})
+    notes = Counter(notes or {})
     problems: list[str] = []
     writer = spec.writer(path, job.options)
     seen: set[str] = set()
@@ -289,6 +315,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
                     skipped[reason] += 1
                     problems.append(f"{where}: {reason}")
                     continue
+                notes.update(filter(None, reason.split("; ")))
                 dup += sample.checksum in seen
                 seen.add(sample.checksum)
                 writer.add(sample)
@@ -300,9 +327,11 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
         raise
     manifest = Manifest(format=job.format, count=writer.count, classes=job.classes, image=job.image,
                         source=job.source, extra=extra,
-                        summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup})
+                        summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup,
+                                 "notes": dict(notes)})
     writer.write_manifest(manifest)
-    return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup}
+    return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup,
+            "notes": dict(notes)}
 
 
 def _pack_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: str) -> dict[str, Any]:
@@ -331,7 +360,8 @@ def _client(scheduler: Any) -> tuple[Any, bool]:
 
 
 def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root: Path, scheduler: Any,
-                 parts: int | None, progress: bool | None, skipped: Counter[str]) -> dict[str, Any]:
+                 parts: int | None, progress: bool | None, skipped: Counter[str],
+                 notes: Counter[str]) -> dict[str, Any]:
     """Pack contiguous partitions as Dask tasks into ``root/part-NNNNN<suffix>``,
     then write the top manifest that lists them (only when every part is done)."""
     from dask.distributed import as_completed
@@ -357,14 +387,16 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
     count = sum(r["count"] for r in results)
     for r in results:
         skipped.update(r["skipped"])
+        notes.update(r["notes"])
     dup = sum(r["duplicate_content"] for r in results)
     manifest = Manifest(format=job.format, count=count, classes=job.classes, image=job.image, source=job.source,
                         extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},
                         summary={"packed": count, "skipped": dict(skipped), "duplicate_content": dup,
-                                 "note": "duplicate_content counts within each part"},
+                                 "notes": dict(notes), "note": "duplicate_content counts within each part"},
                         files=describe_files(root))
     (root / MANIFEST_NAME).write_text(manifest.to_json())
-    return {"count": count, "skipped": dict(skipped), "problems": [p for r in results for p in r["problems"]],
+    return {"count": count, "skipped": dict(skipped), "notes": dict(notes),
+            "problems": [p for r in results for p in r["problems"]],
             "duplicate_content": dup}
 
 
