@@ -74,15 +74,18 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from packio.formats import formats
+
+    table = formats()  # format names and suffixes: whatever the registry holds
     p = argparse.ArgumentParser(prog="packio", description="Pack image datasets once; read them fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("convert", help="pack an image folder (+ CSV) or a packed dataset into a format",
                        description="Pack SRC into DST. The format comes from DST's suffix "
-                                   "(.lmdb .h5 .tar .bmp .npy) or --format.")
+                                   f"({' '.join(s for f in table.values() for s in f.suffixes)}) or --format.")
     c.add_argument("src", help="image folder (class sub-folders or flat), or a packed dataset")
     c.add_argument("dst", help="output path; its suffix picks the format")
-    c.add_argument("--format", help="lmdb, hdf5, tar, bmp or arrays (default: from DST's suffix)")
+    c.add_argument("--format", choices=list(table), help="the format (default: from DST's suffix)")
     c.add_argument("--csv", help="CSV of annotation rows (filename,class,xmin,ymin,xmax,ymax,...)")
     c.add_argument("--csv-columns", metavar="MAP",
                    help="map fields to your CSV's columns, e.g. filename=path,class=cell_type")

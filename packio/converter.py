@@ -24,7 +24,7 @@ import numpy as np
 from packio import decode as dec
 from packio import geometry as geo
 from packio.errors import OutputExistsError, PackioError, SourceError
-from packio.formats import format_for_path, get_format, open_reader
+from packio.formats import format_for_path, get_format, is_packed, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, checksum
@@ -216,7 +216,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
                           f"or --short-side N with --crop HxW")
     if dst.exists() and not overwrite:
         raise OutputExistsError(f"{dst} exists; pass --overwrite to replace it, or choose another name")
-    packed_src = (src / MANIFEST_NAME).is_file() or src.is_file() or _looks_like_shards(src)
+    packed_src = src.is_file() or is_packed(src)
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
     if src.resolve() == dst.resolve():
@@ -398,12 +398,6 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
     return {"count": count, "skipped": dict(skipped), "notes": dict(notes),
             "problems": [p for r in results for p in r["problems"]],
             "duplicate_content": dup}
-
-
-def _looks_like_shards(src: Path) -> bool:
-    from packio.formats.tar import TarReader
-
-    return TarReader.detect_shards(str(src))
 
 
 def _fsync_tree(root: Path) -> None:

@@ -152,4 +152,4 @@ class ArrayReader(Reader):
 
 
 FORMAT = FormatSpec(name="arrays", suffixes=(".npy", ".arrays"), writer=ArrayWriter, reader=ArrayReader,
-                    payload="raw", needs_fixed_shape=True)
+                    payload="raw", needs_fixed_shape=True, dataset_prefix="Array")

@@ -95,6 +95,16 @@ class Reader(ABC):
                               f"is this a dataset packed by packio?") from None
         return Manifest.from_json(text, str(mpath))
 
+    @classmethod
+    def claims(cls, path: str) -> bool:
+        """True when ``path`` is this format's data without a packio manifest beside it
+        (an HDF5 file, tar shards): :meth:`open_unlisted` opens it."""
+        return False
+
+    @classmethod
+    def open_unlisted(cls, path: str) -> "Reader":
+        raise FormatError(f"{path}: not a packed dataset")
+
     def __len__(self) -> int:
         return self.manifest.count
 
@@ -191,7 +201,10 @@ class RecordFile:
 
 @dataclass(frozen=True)
 class FormatSpec:
-    """One format: its name, suffixes, writer and reader, kept side by side."""
+    """One format: its name, suffixes, writer and reader, kept side by side.
+    Registered in ``packio.formats`` (built in, or ``packio.formats.register``),
+    it gets everything else from there: ``open_reader`` / ``open_dataset``,
+    ``convert``, the CLI, the ``{dataset_prefix}Dataset`` classes and the benchmark."""
 
     name: str
     suffixes: tuple[str, ...]
@@ -200,6 +213,11 @@ class FormatSpec:
     payload: str  # "encoded": bytes as found / re-encoded JPEG; "raw": decoded pixels; "bmp"
     needs_fixed_shape: bool = False
     raw_when_fixed: bool = False  # store decoded pixels when every image has one pre-resized shape
+    dataset_prefix: str = ""  # packio.{prefix}Dataset / {prefix}IterableDataset; default: name.capitalize()
+
+    @property
+    def class_prefix(self) -> str:
+        return self.dataset_prefix or self.name.capitalize()
 
     def payload_for(self, fixed_shape: tuple[int, int] | None) -> str:
         return "raw" if self.raw_when_fixed and fixed_shape is not None else self.payload

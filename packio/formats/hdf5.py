@@ -24,6 +24,7 @@ from packio.manifest import Manifest
 from packio.sample import Sample
 
 ATTR = "packio_manifest"
+SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _FLUSH = 256
 
 
@@ -102,6 +103,18 @@ class HDF5Writer(Writer):
 
 
 class HDF5Reader(Reader):
+    @classmethod
+    def claims(cls, path: str) -> bool:
+        p = Path(path)
+        if not p.is_file():
+            return False
+        with open(p, "rb") as f:
+            return f.read(8) == SIGNATURE
+
+    @classmethod
+    def open_unlisted(cls, path: str) -> "HDF5Reader":
+        return cls(Path(path), cls.read_manifest(Path(path)))
+
     @classmethod
     def read_manifest(cls, path: Path) -> Manifest:
         try:
@@ -191,4 +204,4 @@ class HDF5Reader(Reader):
 
 
 FORMAT = FormatSpec(name="hdf5", suffixes=(".h5", ".hdf5"), writer=HDF5Writer, reader=HDF5Reader,
-                    payload="encoded", raw_when_fixed=True)
+                    payload="encoded", raw_when_fixed=True, dataset_prefix="HDF5")

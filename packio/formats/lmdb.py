@@ -136,4 +136,5 @@ class LMDBReader(Reader):
         return decode_stored(rec, bytes(value[4 + n:]), f"#{i}")
 
 
-FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader, payload="encoded")
+FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader, payload="encoded",
+                    dataset_prefix="LMDB")

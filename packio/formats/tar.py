@@ -190,6 +190,14 @@ class TarReader(Reader):
             f.suffix == ".tar" for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
 
     @classmethod
+    def claims(cls, path: str) -> bool:
+        return cls.detect_shards(path)
+
+    @classmethod
+    def open_unlisted(cls, path: str) -> "TarReader":
+        return cls.from_shards(path)
+
+    @classmethod
     def from_shards(cls, path: str) -> "TarReader":
         """Open shards written by another tool: scan members once, build the index."""
         p = Path(path)
