@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Sequence
 
+__all__ = ["build_parser", "main"]
+
 
 def _hw(text: str) -> tuple[int, int]:
     h, sep, w = text.lower().partition("x")

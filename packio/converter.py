@@ -30,6 +30,8 @@ from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, checksum
 from packio.sources import SourceItem, boxes_to_stored_frame, scan_source
 
+__all__ = ["Summary", "convert"]
+
 TMP_MARK = ".packio-tmp-"
 REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
 

@@ -21,6 +21,9 @@ from packio.formats.base import Reader
 from packio.order import dist_info, epoch_order, rank_slice, worker_slice
 from packio.sample import Sample, checksum
 
+__all__ = ["PackedDataset", "PackedIterableDataset", "open_dataset", "format_classes", "ResumableSampler",
+           "DataLoader", "DeferredBatch"]
+
 log = logging.getLogger("packio")
 Size = int | tuple[int, int] | None
 

@@ -49,3 +49,16 @@ def test_a_registered_format_reaches_every_consumer(tmp_path):
     finally:
         unregister("toy")
     assert "toy" not in formats() and "ToyDataset" not in packio.__all__
+
+
+def test_every_public_module_declares_all():
+    import importlib
+    import pkgutil
+
+    names = [m.name for m in pkgutil.walk_packages(packio.__path__, "packio.")
+             if not m.name.rsplit(".", 1)[-1].startswith("_")]
+    assert "packio.formats.lmdb" in names and "packio.bench.probe" in names
+    for name in names:
+        mod = importlib.import_module(name)
+        assert isinstance(getattr(mod, "__all__", None), list), f"{name} has no __all__"
+        assert all(hasattr(mod, n) for n in mod.__all__), name

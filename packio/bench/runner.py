@@ -31,6 +31,9 @@ import numpy as np
 
 from packio.bench.probe import MARKER, Probe, count_opens, strace_prefix, wait_and_probe
 
+__all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", "plot", "warm_cache", "evict",
+           "resident_fraction", "du", "limit_l1", "limit_l2", "bare_lmdb_write", "NaiveDataset"]
+
 BATCH = 64
 SIZE = 224
 

@@ -18,6 +18,8 @@ from packio.errors import FormatError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored
 from packio.sample import Sample
 
+__all__ = ["ArrayWriter", "ArrayReader", "FORMAT"]
+
 _HEADER = 256  # bytes reserved for the .npy header, rewritten with the final N
 
 

@@ -15,6 +15,9 @@ from packio.errors import CorruptSampleError, FormatError
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, sample_from_record
 
+__all__ = ["WriteOptions", "pack_record", "unpack_record", "decode_stored", "payload_bytes", "Writer",
+           "Reader", "RecordFile", "FormatSpec"]
+
 
 @dataclass(frozen=True)
 class WriteOptions:

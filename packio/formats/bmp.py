@@ -14,6 +14,8 @@ from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
 from packio.sample import Sample
 
+__all__ = ["BMPWriter", "BMPReader", "FORMAT"]
+
 
 def _rel(i: int) -> str:
     return f"images/{i // 1000:06d}/{i:010d}.bmp"

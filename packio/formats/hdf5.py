@@ -23,6 +23,8 @@ from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decod
 from packio.manifest import Manifest
 from packio.sample import Sample
 
+__all__ = ["HDF5Writer", "HDF5Reader", "FORMAT"]
+
 ATTR = "packio_manifest"
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _FLUSH = 256

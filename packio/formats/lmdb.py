@@ -15,6 +15,8 @@ from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decod
                                  payload_bytes, unpack_record)
 from packio.sample import Sample
 
+__all__ = ["LMDBWriter", "LMDBReader", "FORMAT"]
+
 _LEN = struct.Struct("<I")
 _TXN_SAMPLES = 2048
 _TXN_BYTES = 256 << 20

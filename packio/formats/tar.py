@@ -27,6 +27,8 @@ from packio.formats.base import FormatSpec, Reader, WriteOptions, Writer, decode
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
 
+__all__ = ["TarWriter", "TarReader", "FORMAT"]
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX = "index.npy"
 
