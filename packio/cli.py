@@ -47,14 +47,14 @@ def _cmd_info(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from packio.formats import open_reader
+    from packio.manifest import disk_bytes
 
     reader = open_reader(a.path)
     m = reader.manifest
     if a.json:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
-    p = Path(a.path)
-    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    size = disk_bytes(Path(a.path))
     print(f"path:     {a.path}")
     print(f"format:   {m.format} (layout version {m.version})")
     print(f"samples:  {m.count}")

@@ -26,7 +26,7 @@ from packio import geometry as geo
 from packio.errors import OutputExistsError, PackioError, SourceError
 from packio.formats import format_for_path, get_format, is_packed, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
-from packio.manifest import MANIFEST_NAME, Manifest, describe_files
+from packio.manifest import MANIFEST_NAME, Manifest, describe_files, disk_bytes
 from packio.sample import Sample, checksum
 from packio.sources import SourceItem, boxes_to_stored_frame, scan_source
 
@@ -279,7 +279,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     except BaseException:
         _remove(tmp)
         raise
-    summary.bytes = _size(dst)
+    summary.bytes = disk_bytes(dst)
     summary.seconds = time.perf_counter() - t0
     return summary
 
@@ -410,9 +410,3 @@ def _fsync_tree(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -112,7 +112,7 @@ def _tree(pid: int) -> list[int]:
     return seen
 
 
-def _memory_kb(pid: int) -> tuple[int, str]:
+def _memory_kb(pid: int) -> tuple[int, str | None]:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
@@ -127,7 +127,7 @@ def _memory_kb(pid: int) -> tuple[int, str]:
                     return int(line.split()[1]), "RSS"
     except OSError:
         pass
-    return 0, "RSS"
+    return 0, None  # the process is gone
 
 
 def _comm(pid: int) -> str:
@@ -159,7 +159,8 @@ class Probe:
             for p in _tree(self.pid):
                 if _comm(p) == "strace":  # the tracer is not part of what is measured
                     continue
-                kb, self.memory_kind = _memory_kb(p)
+                kb, kind = _memory_kb(p)
+                self.memory_kind = kind or self.memory_kind
                 total += kb
                 if self.sample_fds:
                     self._scan_fds(p)

@@ -30,9 +30,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from packio.bench.probe import MARKER, Probe, count_opens, strace_prefix, wait_and_probe
+from packio.manifest import disk_bytes
 
 __all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", "plot", "warm_cache", "evict",
-           "resident_fraction", "du", "limit_l1", "limit_l2", "bare_lmdb_write", "NaiveDataset"]
+           "resident_fraction", "limit_l1", "limit_l2", "bare_lmdb_write", "NaiveDataset"]
 
 BATCH = 64
 SIZE = 224
@@ -107,10 +108,6 @@ def resident_fraction(root: Path) -> float:
         finally:
             os.close(fd)
     return resident / total if total else 0.0
-
-
-def du(root: Path) -> int:
-    return sum(p.stat().st_size for p in _files(root))
 
 
 # ---------------------------------------------------------------- limits
@@ -382,8 +379,10 @@ def _pack(src: Path, csv_path: Path | None, work: Path, tag: str,
         warm_cache(src)  # every pack, and the bare write, start from the same page cache state
         s = packio.convert(src, dst, csv=csv_path, workers=0, overwrite=True, progress=False, **kw)
         out[name] = {"path": str(dst), "format": fmt, "payload": get_format(fmt).payload,
-                     "fixed": "size" in table[name][1].get("resize", {}), "pack_s": s.seconds, "bytes": du(dst), "count": s.packed}
-        print(f"packed {name:12s} {s.packed} samples, {du(dst) / 1e6:8.1f} MB, {s.seconds:6.1f} s", flush=True)
+                     "fixed": "size" in table[name][1].get("resize", {}), "pack_s": s.seconds,
+                     "bytes": disk_bytes(dst), "count": s.packed}
+        print(f"packed {name:12s} {s.packed} samples, {out[name]['bytes'] / 1e6:8.1f} MB, {s.seconds:6.1f} s",
+              flush=True)
     return out
 
 
@@ -402,9 +401,9 @@ def _plan(packed: dict[str, dict[str, Any]], workers: list[int], quick: bool, co
     arrays = next((n for n in w2 if packed[n]["format"] == "arrays"), None)
     # Limits run as children in every round too, so that they see the same machine
     # as the loaders (its speed drifts by ±20% over minutes here).
-    limits = [("L1_1proc", {"kind": "L1", "procs": 1, "path": packed[encoded]["path"]} if encoded else nan),
-              (f"L1_{ncpu}proc", {"kind": "L1", "procs": ncpu, "path": packed[encoded]["path"]}
+    limits = [("L1_1proc", {"kind": "L1", "procs": 1, "path": packed[encoded]["path"]}
                if encoded and not quick else nan),
+              (f"L1_{ncpu}proc", {"kind": "L1", "procs": ncpu, "path": packed[encoded]["path"]} if encoded else nan),
               ("L1_pre256", {"kind": "L1", "procs": ncpu, "path": packed["lmdb-pre256"]["path"]}
                if "lmdb-pre256" in packed else nan),
               ("L2", {"kind": "L2", "path": packed[arrays]["path"]} if arrays else nan)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from packio.errors import CorruptSampleError, FormatError
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, sample_from_record
 
-__all__ = ["WriteOptions", "pack_record", "unpack_record", "decode_stored", "payload_bytes", "Writer",
+__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "payload_bytes", "Writer",
            "Reader", "RecordFile", "FormatSpec"]
 
 
@@ -28,11 +29,29 @@ class WriteOptions:
     fixed_shape: tuple[int, int] | None = None  # (h, w) when every image has it
 
 
-def pack_record(rec: dict[str, Any]) -> bytes:
+# The one record codec. Every format stores a sample's record (packio.sample.Sample.record)
+# as msgpack, except tar shards, whose ``.json`` member is read by WebDataset and other
+# tools as is: there the same record is compact JSON, read with the same limits.
+MAX_RECORD_BYTES = 1 << 24  # a record is ~100 bytes plus its boxes; refuse more from a stranger's file
+
+
+def pack_record(rec: dict[str, Any], *, text: bool = False) -> bytes:
+    """Encode a record: msgpack, or compact JSON with ``text=True``."""
+    if text:
+        return json.dumps(rec, separators=(",", ":")).encode()
     return msgpack.packb(rec, use_bin_type=True)
 
 
-def unpack_record(data: bytes | memoryview, where: str) -> Any:
+def unpack_record(data: bytes | memoryview, where: str, *, text: bool = False) -> Any:
+    """Decode a record from an untrusted file: bounded size, element counts (msgpack)
+    and nesting; any failure is a ``CorruptSampleError`` naming ``where``."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise CorruptSampleError(where, f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+    if text:
+        try:
+            return json.loads(bytes(data))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise CorruptSampleError(where, f"record is not valid JSON ({exc})") from None
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 20,
                                max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 16)

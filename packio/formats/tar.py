@@ -12,7 +12,6 @@ absolute names and links are refused.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import tarfile
@@ -23,7 +22,8 @@ import numpy as np
 
 from packio.decode import sniff
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import FormatSpec, Reader, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOptions, Writer, decode_stored,
+                                 pack_record, payload_bytes, unpack_record)
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
 
@@ -64,7 +64,7 @@ class TarWriter(Writer):
             self._roll()
         key = f"{self.count:010d}"  # WebDataset keys cannot hold dots; the original key is in the json
         data = payload_bytes(sample)
-        rec = json.dumps(sample.record(), separators=(",", ":")).encode()
+        rec = pack_record(sample.record(), text=True)  # .json: what WebDataset pipelines decode
         row = [len(self._shards) - 1]
         for name, blob in ((f"{key}.{EXTENSIONS[sample.encoding]}", data), (f"{key}.json", rec)):
             row += [self._add(name, blob), len(blob)]
@@ -250,25 +250,27 @@ class TarReader(Reader):
             raise CorruptSampleError(f"#{i}", f"shard {self.shards[shard].name} is truncated")
         return data
 
+    def _record(self, shard: int, off: int, size: int, i: int) -> Any:
+        if size > MAX_RECORD_BYTES:  # checked before reading: the index comes from the file
+            raise CorruptSampleError(f"#{i}", f"json member of {size} bytes exceeds {MAX_RECORD_BYTES}")
+        return unpack_record(self._pread(shard, off, size, i), f"#{i}", text=True)
+
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
         shard, ioff, isize, joff, jsize = (int(v) for v in self.index[i])
         payload = self._pread(shard, ioff, isize, i)
         if self.foreign is None:
-            try:
-                rec = json.loads(self._pread(shard, joff, jsize, i))
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise CorruptSampleError(f"#{i}", f"json member is not valid JSON ({exc})") from None
+            rec = self._record(shard, joff, jsize, i)
         else:
             key, label = self.foreign[i]
             rec = {"key": key, "encoding": sniff(payload) or "jpeg", "label": label, "boxes": [],
                    "box_labels": [], "width": 0, "height": 0}
             if joff >= 0:
                 try:
-                    extra = json.loads(self._pread(shard, joff, jsize, i))
-                except (ValueError, UnicodeDecodeError):
-                    extra = None
+                    extra = self._record(shard, joff, jsize, i)
+                except CorruptSampleError:
+                    extra = None  # another tool's .json: use what fits packio's record, else ignore it
                 if isinstance(extra, dict):
                     rec.update({k: extra[k] for k in ("boxes", "box_labels", "label", "width", "height",
                                                       "checksum", "key") if k in extra})
