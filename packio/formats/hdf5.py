@@ -3,8 +3,8 @@
 - ``images_bytes`` uint8[total] + ``offsets`` int64[N+1]: encoded image i is
   ``images_bytes[offsets[i]:offsets[i+1]]``; or, for pre-resized fixed-shape data,
   ``images`` uint8[N, H, W, 3] chunked one sample per chunk.
-- ``labels`` int64[N]; ``boxes`` float32[M, 4] (xyxy) with ``box_labels`` int64[M]
-  and ``box_offsets`` int64[N+1] (boxes of i are rows box_offsets[i]:box_offsets[i+1]).
+- ``labels``, ``boxes``, ``box_labels``, ``box_offsets``: the label/box columns shared
+  with the arrays format (packio/formats/columns.py).
 - ``records`` uint8 + ``record_offsets``: packio's msgpack record per sample.
 - attribute ``packio_manifest``: the manifest as JSON.
 """
@@ -20,6 +20,7 @@ import numpy as np
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
                                  payload_bytes, unpack_record)
+from packio.formats.columns import NAMES, ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -46,7 +47,7 @@ class HDF5Writer(Writer):
         self._f = h5py.File(path, "w", libver="latest")
         self._buf: list[Sample] = []
         self._offset = 0
-        self._box_offset = 0
+        self._columns = ColumnBuffer()
         self._rec_offset = 0
         self._f.create_dataset("offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
         self._f.create_dataset("box_offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
@@ -54,6 +55,7 @@ class HDF5Writer(Writer):
 
     def add(self, sample: Sample) -> None:
         self._buf.append(sample)
+        self._columns.add(sample)
         self.count += 1
         if len(self._buf) >= _FLUSH:
             self._flush()
@@ -71,13 +73,8 @@ class HDF5Writer(Writer):
             ends = self._offset + np.cumsum([len(b) for b in blobs])
             self._offset = int(ends[-1])
             _append(f, "offsets", ends.astype(np.int64), (4096,))
-        _append(f, "labels", np.array([s.label for s in buf], np.int64), (4096,))
-        boxes = np.concatenate([s.boxes.reshape(-1, 4) for s in buf]).astype(np.float32)
-        _append(f, "boxes", boxes, (4096, 4))
-        _append(f, "box_labels", np.concatenate([s.box_labels for s in buf]).astype(np.int64), (4096,))
-        ends = self._box_offset + np.cumsum([len(s.boxes) for s in buf])
-        self._box_offset = int(ends[-1])
-        _append(f, "box_offsets", ends.astype(np.int64), (4096,))
+        for name, column in self._columns.drain().items():
+            _append(f, name, column, (4096, *column.shape[1:]))
         recs = [pack_record(s.record()) for s in buf]
         _append(f, "records", np.frombuffer(b"".join(recs), np.uint8), (1 << 16,))
         ends = self._rec_offset + np.cumsum([len(r) for r in recs])
@@ -179,21 +176,15 @@ class HDF5Reader(Reader):
             return None
         f = self._h_f
         if "_h_meta" not in self.__dict__:
-            self._h_meta = (f["labels"][:], f["boxes"][:], f["box_labels"][:], f["box_offsets"][:])
-        labels, boxes, box_labels, off = self._h_meta
-        n = self.manifest.count
-        if len(labels) != n or len(off) != n + 1 or (n and (off[-1] != len(boxes) or len(boxes) != len(box_labels))):
-            raise FormatError(f"{self.path}: label/box arrays do not match the manifest; the file is damaged")
+            self._h_meta = Columns.checked({k: f[k][:] for k in NAMES if k in f}, self.manifest.count,
+                                           str(self.path))
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
         d = self._h_images
         out = np.empty((len(idx), *d.shape[1:]), np.uint8)
         for j, i in enumerate(idx.tolist()):
             d.read_direct(out, np.s_[i], np.s_[j])
-        a, b = off[idx], off[idx + 1]
         keys = [str(self._record(int(i)).get("key", "")) for i in idx]
-        return {"image": out, "label": labels[idx], "boxes": [boxes[x:y] for x, y in zip(a.tolist(), b.tolist())],
-                "box_labels": [box_labels[x:y] for x, y in zip(a.tolist(), b.tolist())], "key": keys,
-                "index": idx}
+        return {"image": out, **self._h_meta.take(idx), "key": keys, "index": idx}
 
     def read_many(self, indices: list[int]) -> list[Sample]:
         self._ensure_open()
