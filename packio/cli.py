@@ -10,7 +10,7 @@ from typing import Sequence
 __all__ = ["build_parser", "main"]
 
 
-def _hw(text: str) -> tuple[int, int]:
+def _parse_hw(text: str) -> tuple[int, int]:
     h, sep, w = text.lower().partition("x")
     try:
         return (int(h), int(w)) if sep else (int(h), int(h))
@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Dask scheduler (tcp://host:8786): pack partitions as parts on the cluster (packio[dask])")
     c.add_argument("--parts", type=int, help="with --scheduler: number of parts (default 4 per Dask worker)")
     c.add_argument("--strict", action="store_true", help="fail on any skipped input instead of counting it")
-    c.add_argument("--size", type=_hw, metavar="HxW", help="pre-resize every image to HxW")
+    c.add_argument("--size", type=_parse_hw, metavar="HxW", help="pre-resize every image to HxW")
     c.add_argument("--short-side", type=int, metavar="N", help="pre-resize so the short side is N (keeps aspect)")
-    c.add_argument("--crop", type=_hw, metavar="HxW", help="center-crop to HxW after resizing")
+    c.add_argument("--crop", type=_parse_hw, metavar="HxW", help="center-crop to HxW after resizing")
     c.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding resized images")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     c.add_argument("--shard-samples", type=int, default=10_000, help="tar: samples per shard")

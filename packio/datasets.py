@@ -28,7 +28,7 @@ log = logging.getLogger("packio")
 Size = int | tuple[int, int] | None
 
 
-def _hw(resize: Size) -> tuple[int, int] | None:
+def _resize_hw(resize: Size) -> tuple[int, int] | None:
     if resize is None:
         return None
     if isinstance(resize, int):
@@ -57,7 +57,7 @@ class _Items:
         if format_name and self.reader.manifest.format != format_name:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
                               f"use packio.open_dataset() to open any format")
-        self.decode, self.size, self.transform = decode, _hw(resize), transform
+        self.decode, self.size, self.transform = decode, _resize_hw(resize), transform
         self.backend, self.on_error, self.verify = backend, on_error, verify
         self.errors = 0
         self.threads = threads  # decode threads per process (the decoders release the GIL)

@@ -26,7 +26,7 @@ def resize_for(fmt: str) -> dec.ResizeSpec | None:
     spec = SPECS[fmt]
     if spec.needs_fixed_shape:
         return dec.ResizeSpec(size=(48, 64))
-    return dec.ResizeSpec(short_side=40) if spec.payload == "bmp" else None
+    return dec.ResizeSpec(short_side=40) if spec.encoding == "bmp" else None
 
 
 def pack(src: Path, csv: Path | None, out: Path, fmt: str, **kw):

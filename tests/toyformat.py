@@ -83,4 +83,4 @@ class ToyReader(Reader):
         return decode_stored(rec, self._h_payloads[i], f"#{i}")
 
 
-FORMAT = FormatSpec(name="toy", suffixes=(".toy",), writer=ToyWriter, reader=ToyReader, payload="encoded")
+FORMAT = FormatSpec(name="toy", suffixes=(".toy",), writer=ToyWriter, reader=ToyReader)

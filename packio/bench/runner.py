@@ -54,7 +54,7 @@ def variants(names: Sequence[str] | None = None) -> dict[str, tuple[str, dict[st
             continue
         if spec.needs_fixed_shape:
             out[f"{name}-{SIZE}"] = (name, {"resize": {"size": [SIZE, SIZE]}})
-        elif spec.payload == "bmp":
+        elif spec.encoding is not None:  # a fixed lossless encoding: BMP files of decoded pixels
             out[f"{name}-256"] = (name, {"resize": {"short_side": 256}})
         else:
             out[name] = (name, {})
@@ -378,7 +378,7 @@ def _pack(src: Path, csv_path: Path | None, work: Path, tag: str,
         dst = work / f"{tag}-{name}{suffix}"
         warm_cache(src)  # every pack, and the bare write, start from the same page cache state
         s = packio.convert(src, dst, csv=csv_path, workers=0, overwrite=True, progress=False, **kw)
-        out[name] = {"path": str(dst), "format": fmt, "payload": get_format(fmt).payload,
+        out[name] = {"path": str(dst), "format": fmt, "payload": get_format(fmt).payload_for(None),
                      "fixed": "size" in table[name][1].get("resize", {}), "pack_s": s.seconds,
                      "bytes": disk_bytes(dst), "count": s.packed}
         print(f"packed {name:12s} {s.packed} samples, {out[name]['bytes'] / 1e6:8.1f} MB, {s.seconds:6.1f} s",

@@ -140,4 +140,4 @@ class ArrayReader(Reader):
 
 
 FORMAT = FormatSpec(name="arrays", suffixes=(".npy", ".arrays"), writer=ArrayWriter, reader=ArrayReader,
-                    payload="raw", needs_fixed_shape=True, dataset_prefix="Array")
+                    stores="pixels", needs_fixed_shape=True, dataset_prefix="Array")

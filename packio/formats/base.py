@@ -16,8 +16,8 @@ from packio.errors import CorruptSampleError, FormatError
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, sample_from_record
 
-__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "payload_bytes", "Writer",
-           "Reader", "RecordFile", "FormatSpec"]
+__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "payload_bytes",
+           "Writer", "Reader", "RecordFile", "FormatSpec"]
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,8 @@ class FormatSpec:
     suffixes: tuple[str, ...]
     writer: type[Writer]
     reader: type[Reader]
-    payload: str  # "encoded": bytes as found / re-encoded JPEG; "raw": decoded pixels; "bmp"
+    stores: str = "files"  # "files": encoded images (as found, or re-encoded); "pixels": decoded uint8 HWC
+    encoding: str | None = None  # the one encoding every stored file gets ("bmp"); None: the source's, or JPEG
     needs_fixed_shape: bool = False
     raw_when_fixed: bool = False  # store decoded pixels when every image has one pre-resized shape
     dataset_prefix: str = ""  # packio.{prefix}Dataset / {prefix}IterableDataset; default: name.capitalize()
@@ -241,5 +242,17 @@ class FormatSpec:
     def class_prefix(self) -> str:
         return self.dataset_prefix or self.name.capitalize()
 
+    def __post_init__(self) -> None:
+        if self.stores not in ("files", "pixels"):
+            raise ValueError(f"format {self.name!r}: stores must be 'files' or 'pixels', not {self.stores!r}")
+
+    @property
+    def payload(self) -> str:
+        """The payload kind written to ``manifest.image["payload"]`` by default: "raw"
+        (decoded pixels), the one fixed encoding ("bmp"), or "encoded"."""
+        return "raw" if self.stores == "pixels" else self.encoding or "encoded"
+
     def payload_for(self, fixed_shape: tuple[int, int] | None) -> str:
+        """The payload kind for this conversion: pixels when the format keeps them for
+        one fixed shape (HDF5), else :attr:`payload`."""
         return "raw" if self.raw_when_fixed and fixed_shape is not None else self.payload

@@ -66,5 +66,5 @@ class BMPReader(Reader):
         return decode_stored(rec, payload, f"#{i}")
 
 
-FORMAT = FormatSpec(name="bmp", suffixes=(".bmp",), writer=BMPWriter, reader=BMPReader, payload="bmp",
+FORMAT = FormatSpec(name="bmp", suffixes=(".bmp",), writer=BMPWriter, reader=BMPReader, encoding="bmp",
                     dataset_prefix="BMP")

@@ -197,4 +197,4 @@ class HDF5Reader(Reader):
 
 
 FORMAT = FormatSpec(name="hdf5", suffixes=(".h5", ".hdf5"), writer=HDF5Writer, reader=HDF5Reader,
-                    payload="encoded", raw_when_fixed=True, dataset_prefix="HDF5")
+                    raw_when_fixed=True, dataset_prefix="HDF5")

@@ -138,5 +138,5 @@ class LMDBReader(Reader):
         return decode_stored(rec, bytes(value[4 + n:]), f"#{i}")
 
 
-FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader, payload="encoded",
+FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader,
                     dataset_prefix="LMDB")

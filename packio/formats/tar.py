@@ -288,4 +288,4 @@ class TarReader(Reader):
         return out
 
 
-FORMAT = FormatSpec(name="tar", suffixes=(".tar", ".wds"), writer=TarWriter, reader=TarReader, payload="encoded")
+FORMAT = FormatSpec(name="tar", suffixes=(".tar", ".wds"), writer=TarWriter, reader=TarReader)
