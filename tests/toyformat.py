@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from packio.errors import FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
-                                 payload_bytes, unpack_record)
+from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, file_starts_with,
+                                 pack_record, payload_bytes, unpack_record)
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -52,11 +52,7 @@ def _load(path: Path) -> dict[str, Any]:
 class ToyReader(Reader):
     @classmethod
     def claims(cls, path: str) -> bool:
-        p = Path(path)
-        if not p.is_file():
-            return False
-        with open(p, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
+        return file_starts_with(path, MAGIC)
 
     @classmethod
     def open_unlisted(cls, path: str) -> "ToyReader":

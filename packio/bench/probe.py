@@ -113,20 +113,14 @@ def _tree(pid: int) -> list[int]:
 
 
 def _memory_kb(pid: int) -> tuple[int, str | None]:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]), "PSS"
-    except OSError:
-        pass
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]), "RSS"
-    except OSError:
-        pass
+    for name, field, kind in (("smaps_rollup", "Pss:", "PSS"), ("status", "VmRSS:", "RSS")):
+        try:
+            with open(f"/proc/{pid}/{name}") as f:
+                for line in f:
+                    if line.startswith(field):
+                        return int(line.split()[1]), kind
+        except OSError:
+            pass
     return 0, None  # the process is gone
 
 

@@ -16,7 +16,7 @@ from packio.errors import CorruptSampleError, FormatError
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, sample_from_record
 
-__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "payload_bytes",
+__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "file_starts_with", "payload_bytes",
            "Writer", "Reader", "RecordFile", "FormatSpec"]
 
 
@@ -68,6 +68,15 @@ def decode_stored(rec: Any, payload: bytes | np.ndarray, where: str) -> Sample:
             raise CorruptSampleError(sample.key, f"raw payload of {len(payload)} bytes does not fit {shape}")
         sample.payload = np.frombuffer(payload, np.uint8).reshape(shape)
     return sample
+
+
+def file_starts_with(path: str | Path, magic: bytes) -> bool:
+    """Whether ``path`` is a file beginning with ``magic`` (for ``Reader.claims``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:  # a folder, a missing path, no permission: not this format's file
+        return False
 
 
 def payload_bytes(sample: Sample) -> bytes | memoryview:

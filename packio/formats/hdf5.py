@@ -18,8 +18,8 @@ import h5py
 import numpy as np
 
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
-                                 payload_bytes, unpack_record)
+from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, file_starts_with,
+                                 pack_record, payload_bytes, unpack_record)
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -104,11 +104,7 @@ class HDF5Writer(Writer):
 class HDF5Reader(Reader):
     @classmethod
     def claims(cls, path: str) -> bool:
-        p = Path(path)
-        if not p.is_file():
-            return False
-        with open(p, "rb") as f:
-            return f.read(8) == SIGNATURE
+        return file_starts_with(path, SIGNATURE)
 
     @classmethod
     def open_unlisted(cls, path: str) -> "HDF5Reader":
