@@ -5,8 +5,9 @@ memory over the whole process tree while it runs. Nothing in the storage code he
   ``--seccomp-bpf`` where supported, so only those calls stop) and every successful
   open of a path inside the dataset after the child's start marker is counted. Without
   a usable strace, ``/proc/PID/fd`` of every process in the tree is sampled: distinct
-  (process, descriptor, file) triples seen, a lower bound (short-lived opens between
-  two samples are missed). :attr:`Probe.opens_method` says which was used.
+  (process, descriptor, file) triples seen, an estimate (opens shorter than the sampling
+  interval are missed; the child's cache set-up may be seen). :attr:`Probe.opens_method`
+  says which was used.
 - Memory: the sum over the tree (the child and its DataLoader workers) of PSS from
   ``/proc/PID/smaps_rollup`` (shared pages split between the processes that map them,
   so forked workers are not counted twice), or of VmRSS where that file is absent;
@@ -141,7 +142,7 @@ class Probe:
         self._fds: set[tuple[int, int, str]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self.opens_method = "/proc/PID/fd sampling (lower bound)" if sample_fds else "strace"
+        self.opens_method = "/proc/PID/fd sampling (an estimate)" if sample_fds else "strace"
 
     def start(self) -> "Probe":
         self._thread.start()
