@@ -54,9 +54,9 @@ def _hw(text: str) -> tuple[int, int]:
     side = _int_in(1, MAX_SIDE)
     try:
         return (side(h), side(w)) if sep else (side(h), side(h))
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"expected HxW like 224x224 (or one number), each side from 1 to "
-                                         f"{MAX_SIDE}, got {text!r} ({exc})") from None
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected HxW like 224x224 (or one number), each side an integer "
+                                         f"from 1 to {MAX_SIDE}, got {text!r}") from None
 
 
 def _address(text: str) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from packio import decode as dec
-from packio.errors import OutputExistsError, PackioError, SourceError
+from packio.errors import FormatError, OutputExistsError, PackioError, SourceError
 from packio.formats import format_for_path, formats, get_format, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
@@ -380,12 +380,14 @@ def output_format(dst: Path, format: str | None = None) -> FormatSpec:
     spec = get_format(format) if format else None
     if suffix in _FILE_SUFFIXES and (spec is None or suffix not in spec.suffixes):
         name, breaks, better = _FILE_SUFFIXES[suffix]
-        spec = spec or get_format(name)
-        fix = dst.with_suffix(spec.suffixes[0]) if spec.name != name else dst.with_suffix(better)
-        raise FormatError(f"{dst}: '{suffix}' names one file, but the {spec.name} format writes a folder "
-                          f"(a folder named {dst.name} breaks {breaks}); name the output {fix}"
-                          + (" (it will hold shard-{000000..000007}.tar + packio.json)" if spec.name == "tar" else "")
-                          + (" (it will hold images.npy, labels.npy, ... + packio.json)" if spec.name == "arrays" else ""))
+        if spec is not None and spec.name != name:
+            raise FormatError(f"{dst}: '{suffix}' names a {suffix[1:]} file, not the {spec.name} format; "
+                              f"name the output {dst.with_suffix(spec.suffixes[0])}")
+        inside = {"tar": " (it will hold shard-NNNNNN.tar files + packio.json)",
+                  "arrays": " (it will hold images.npy, labels.npy, ... + packio.json)"}.get(name, "")
+        raise FormatError(f"{dst}: '{suffix}' names one file, but the {name} format writes a folder "
+                          f"(a folder named {dst.name} breaks {breaks}); name the output "
+                          f"{dst.with_suffix(better)}{inside}")
     if spec is None:
         return format_for_path(dst)
     owner = next((f.name for f in formats().values() if suffix in f.suffixes), None)
