@@ -37,8 +37,9 @@ ENCODE_CHOICES = ("keep", "jpeg", "png", "bmp")
 # Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
 # workers="auto": time the first inputs here, then use processes only when each input costs at
-# least AUTO_MIN_TASK_S and the rest at least AUTO_MIN_REST_S in one process (tools/bench_workers.py).
-AUTO_PROBE, AUTO_PROBE_S, AUTO_MIN_TASK_S, AUTO_MIN_REST_S = 16, 0.3, 0.002, 2.0
+# least AUTO_MIN_TASK_S and the rest at least AUTO_MIN_REST_S in one process: starting a pool
+# cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (tools/bench_workers.py).
+AUTO_PROBE, AUTO_PROBE_S, AUTO_MIN_TASK_S, AUTO_MIN_REST_S = 16, 0.3, 0.002, 3.0
 # Suffixes that promise one file, where the format writes a folder: (format, what breaks, name to use).
 _FILE_SUFFIXES = {".tar": ("tar", "`tar tf` and webdataset", ".wds"),
                   ".npy": ("arrays", "np.load", ".arrays"),
@@ -178,9 +179,12 @@ def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int | str,
             done += 1
             yield result
         per, rest = spent / max(done, 1), len(tasks) - done
-        workers = auto_workers(per, rest)
-        chosen["workers"] = (f"auto → {workers} ({per * 1e3:.1f} ms per input measured; "
-                             + ("processes pay off)" if workers > 1 else "one process is fastest here)"))
+        free = _free_cpus()
+        workers = auto_workers(per, rest, free)
+        why = ("processes pay off" if workers > 1 else
+               f"fewer than 2 idle CPUs ({free:.1f})" if free < 2 and per * rest >= AUTO_MIN_REST_S
+               and per >= AUTO_MIN_TASK_S else "one process is fastest for inputs this quick")
+        chosen["workers"] = f"auto → {workers} ({per * 1e3:.1f} ms per input measured; {why})"
         tasks = tasks[done:]
     else:
         chosen["workers"] = f"{workers}" + (" (inputs read in this process)" if workers <= 1 else " processes")
@@ -195,14 +199,29 @@ def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int | str,
         yield from pool.imap(fn, tasks, chunksize=8)
 
 
-def auto_workers(per_task_s: float, rest: int) -> int:
+def auto_workers(per_task_s: float, rest: int, free_cpus: float | None = None) -> int:
     """Processes for ``rest`` more inputs that each took ``per_task_s`` here: 0 (this
-    process) unless each input is slow enough to outweigh sending it between processes
-    and the rest long enough to outweigh starting them."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cpus < 2 or per_task_s < AUTO_MIN_TASK_S or per_task_s * rest < AUTO_MIN_REST_S:
+    process) unless each input is slow enough to outweigh sending it between processes,
+    the rest long enough to outweigh starting them, and at least two CPUs are idle
+    (``free_cpus``: CPUs minus the load of other processes; on a busy machine
+    processes only queue behind each other)."""
+    if free_cpus is None:
+        free_cpus = _free_cpus()
+    if per_task_s < AUTO_MIN_TASK_S or per_task_s * rest < AUTO_MIN_REST_S or free_cpus < 2:
         return 0
-    return cpus
+    return int(free_cpus)
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _free_cpus() -> float:
+    try:
+        others = max(0.0, os.getloadavg()[0] - 1.0)  # this process is one of the running ones
+    except (AttributeError, OSError):
+        others = 0.0
+    return _cpus() - others
 
 
 def plan_shards(count: int, shards: int | None = None) -> int:
@@ -211,8 +230,7 @@ def plan_shards(count: int, shards: int | None = None) -> int:
     DataLoader worker of a few ranks has shards of its own, but none under
     MIN_SHARD_SAMPLES samples (a dataset that small gets fewer shards)."""
     if shards is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        shards = min(max(8, 2 * cpus, math.ceil(count / MAX_SHARD_SAMPLES)), count // MIN_SHARD_SAMPLES)
+        shards = min(max(8, 2 * _cpus(), math.ceil(count / MAX_SHARD_SAMPLES)), count // MIN_SHARD_SAMPLES)
     return max(1, min(shards, count))
 
 
