@@ -122,6 +122,11 @@ def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "packed 14 samples" in r.stdout and len(list((tmp_path / "o.wds").glob("part-*.wds"))) == 3
+    from braceexpand import braceexpand
+
+    pattern = next(line for line in r.stdout.splitlines() if line.startswith("shards:")).split()[-1]
+    shards = list(braceexpand(pattern))  # one pattern naming the shards of every part, for webdataset
+    assert len(shards) == 3 and all(Path(s).is_file() for s in shards), pattern
 
 
 def _torchrun(tmp_path: Path, data: Path, mode: str) -> list[dict]:
