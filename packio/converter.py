@@ -647,7 +647,8 @@ def tar_pattern(path: Path, m: Manifest) -> str | None:
     if "parts" not in m.extra:
         names = [s for s in m.extra.get("shards", []) if isinstance(s, str)]
         pattern = _brace(names)
-        return str(path / pattern) if pattern else None
+        base = path if path.is_dir() else path.parent  # shards opened by a file name or pattern
+        return str(base / pattern) if pattern else None
     groups: dict[str, list[str]] = {}
     for rel in sorted(f for f in m.files if f.endswith(".tar")):
         head, _, name = rel.rpartition("/")
