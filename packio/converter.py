@@ -182,7 +182,7 @@ def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int | str,
         free = _free_cpus()
         workers = auto_workers(per, rest, free)
         why = ("processes pay off" if workers > 1 else
-               f"fewer than 2 idle CPUs ({free:.1f})" if free < 2 and per * rest >= AUTO_MIN_REST_S
+               f"the CPUs are busy: fewer than 2 idle of {_cpus()}" if free < 2 and per * rest >= AUTO_MIN_REST_S
                and per >= AUTO_MIN_TASK_S else "one process is fastest for inputs this quick")
         chosen["workers"] = f"auto → {workers} ({per * 1e3:.1f} ms per input measured; {why})"
         tasks = tasks[done:]
@@ -607,10 +607,13 @@ def describe_output(path: Path, m: Manifest) -> list[str]:
     elif m.format == "lmdb":
         lines.append(f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
                      f"u32le length | msgpack record | image bytes")
+    elif m.format == "bmp" and "parts" not in m.extra:
+        lines.append(f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)")
     enc = m.image.get("encodings") or {}
     if enc:
         step = (m.image.get("history") or [{}])[-1]
-        lines.append(f"images:   {', '.join(f'{v} {k}' for k, v in enc.items())}: " + _step_text(step))
+        lines.append(f"images:   {', '.join(f'{v} {k}' for k, v in enc.items())}: ".replace("raw", "uint8 pixels")
+                     + _step_text(step))
     return lines
 
 
@@ -624,7 +627,7 @@ def describe_history(m: Manifest) -> list[str]:
 def _step_text(step: dict[str, Any]) -> str:
     done = step.get("result") if isinstance(step.get("result"), dict) else {}
     kept = [f"{v} {k.removesuffix(' kept')}" for k, v in done.items() if str(k).endswith(" kept")]
-    changed = [f"{v} {k}" for k, v in done.items() if not str(k).endswith(" kept")]
+    changed = [f"{v} {k}".replace("raw", "uint8 pixels") for k, v in done.items() if not str(k).endswith(" kept")]
     parts = ([", ".join(kept) + " kept as found (not re-encoded)"] if kept else []) + (
         [", ".join(changed)] if changed else [])
     if not done:

@@ -141,7 +141,7 @@ def test_arrays_to_tar_stores_lossless_png_and_says_so(gen_folder, tmp_path):
     src, _ = gen_folder
     packio.convert(src, tmp_path / "a.arrays", resize=packio.ResizeSpec(size=(20, 24)), progress=False)
     s = packio.convert(tmp_path / "a.arrays", tmp_path / "t.wds", progress=False)
-    assert "14 raw→png" in s.text() and "lossless" in s.text()
+    assert "14 uint8 pixels→png" in s.text() and "lossless" in s.text()
     a, t = packio.open_dataset(tmp_path / "a.arrays", decode=False), packio.open_dataset(tmp_path / "t.wds")
     for i in range(14):
         assert t.sample(i).encoding == "png"
