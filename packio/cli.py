@@ -74,7 +74,10 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         spec = ResizeSpec(size=a.size, short_side=a.short_side, crop=a.crop)
     except ValueError as exc:
         raise SystemExit(f"packio: error: {exc}") from None
-    summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=parse_columns(a.csv_columns),
+    columns = parse_columns(a.csv_columns)
+    if a.label_column:
+        columns["label"] = a.label_column
+    summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=columns,
                       workers=a.workers, strict=a.strict, resize=spec, encode=a.encode, quality=a.quality,
                       overwrite=a.overwrite, shards=a.shards, shard_samples=a.shard_samples,
                       shard_bytes=a.shard_bytes, progress=False if a.quiet else None, scheduler=a.scheduler,
@@ -142,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--csv", help="CSV of annotation rows (filename,class,xmin,ymin,xmax,ymax,...)")
     c.add_argument("--csv-columns", metavar="MAP",
                    help="map fields to your CSV's columns, e.g. filename=path,class=cell_type")
+    c.add_argument("--label-column", metavar="COL",
+                   help="the CSV column that labels the images (default: 'label'; without box columns, "
+                        "'label' or else 'class')")
     c.add_argument("--workers", type=_workers, default="auto", metavar="N|auto",
                    help="local processes reading/checking inputs, 0 to 1024; 'auto' (default) times the first "
                         "inputs and uses processes only when they pay off")

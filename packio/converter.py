@@ -25,14 +25,16 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from packio import decode as dec
+from packio import geometry as geo
 from packio.errors import FormatError, OutputExistsError, PackioError, SourceError
 from packio.formats import format_for_path, formats, get_format, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, checksum
-from packio.sources import SourceItem, scan_source
+from packio.sources import SourceItem, boxes_to_stored_frame, scan_source
 
 TMP_MARK = ".packio-tmp-"
+REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
 ENCODE_CHOICES = ("keep", "jpeg", "png", "bmp")
 # Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
@@ -70,6 +72,7 @@ class Summary:
         lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
         if self.info.get("duplicate_content"):
             lines.append(f"note: {self.info['duplicate_content']} samples are byte-identical to another (kept)")
+        lines += [f"note: {n} x {what}" for what, n in sorted(self.info.get("notes", {}).items())]
         return "\n".join(lines)
 
 
@@ -86,7 +89,8 @@ class _Prep:
     shape: tuple[int, int] | None = None  # (h, w) every stored image must have
 
 
-# (sample or None, skip reason or - for a sample - what was done to it ("jpeg kept", "bmp→jpeg"), where)
+# (sample or None, skip reason or - for a sample - what was done to it ("jpeg kept", "bmp→jpeg")
+# followed by "; "-separated notes for the summary, where)
 Result = tuple[Sample | None, str, str]
 
 
@@ -100,32 +104,43 @@ def _target_encoding(prep: _Prep, found: str) -> str:
     return "png" if found == "raw" else found
 
 
-def _finish(prep: _Prep, s: Sample, where: str) -> Result:
+def _finish(prep: _Prep, s: Sample, where: str, orientation: int | None = None) -> Result:
     """Keep the sample's bytes when the target stores them as they are; otherwise decode,
-    resize and encode it as the target asks."""
+    resize and encode it as the target asks.
+
+    Stored images are always upright: an EXIF orientation is applied here to the
+    pixels and the boxes together (``s.boxes`` are in the frame of ``s.payload`` as
+    stored), and the image re-encoded even when it would otherwise be kept as found."""
+    if orientation is None:
+        orientation = 1 if isinstance(s.payload, np.ndarray) else dec.exif_orientation(s.payload)
     found = s.encoding
     to = _target_encoding(prep, found)
-    if not prep.resize.active and to == found and (
+    if orientation == 1 and not prep.resize.active and to == found and (
             prep.shape is None or (s.height, s.width) == prep.shape):
         return s, f"{found} kept", where
     if isinstance(s.payload, np.ndarray):
         img = s.payload
     else:
         try:
-            img = dec.decode(s.payload, apply_exif=True)
+            img = dec.decode(s.payload)  # pixels as stored; the orientation is applied below, with the boxes
         except ValueError as exc:
             return None, "corrupt image data", f"{where} ({exc})"
     boxes, box_labels = s.boxes, s.box_labels
+    if orientation != 1:
+        boxes = geo.orient(boxes, orientation, img.shape[1], img.shape[0])
+        img = np.ascontiguousarray(geo.orient_image(img, orientation))
     if prep.resize.active:
-        img, boxes, keep = dec.apply_spec(img, boxes, prep.resize)
-        boxes, box_labels = boxes[keep], box_labels[keep]
+        img, boxes, box_labels = dec.apply_spec(img, boxes, box_labels, prep.resize)
     if prep.shape is not None and img.shape[:2] != prep.shape:
         return None, "image shape differs from the dataset's fixed shape", f"{where} ({img.shape[1]}x{img.shape[0]})"
-    payload = img if to == "raw" else dec.encode(img, to, prep.quality)
+    # only turned upright (same encoding, no resize): a lossy source is re-encoded at high quality
+    quality = max(prep.quality, 95) if to == found and not prep.resize.active else prep.quality
+    payload = img if to == "raw" else dec.encode(img, to, quality)
+    meta = dict(s.meta, exif_orientation=orientation) if orientation != 1 else s.meta
     out = Sample(key=s.key, payload=payload, encoding=to, label=s.label, boxes=boxes,
-                 box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=s.meta)
+                 box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=meta)
     out.checksum = checksum(out.payload)
-    return out, f"{found}→{to}", where
+    return out, f"{found}→{to}" + (f"; {REORIENTED}" if orientation != 1 else ""), where
 
 
 def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
@@ -149,11 +164,16 @@ def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
         return None, "image too large (decompression bomb guard)", f"{item.path} ({w}x{h})"
     if enc == "jpeg" and b"\xff\xd9" not in data[-4096:]:
         return None, "truncated JPEG (no end marker)", item.path
-    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label,
-               boxes=np.asarray(item.boxes, np.float32).reshape(-1, 4),
+    orientation = dec.exif_orientation(data)
+    placed = boxes_to_stored_frame(item, w, h, orientation)
+    if isinstance(placed, str):
+        return None, "CSV width/height fit neither the image nor its EXIF-upright view", f"{item.path} ({placed})"
+    boxes, notes = placed
+    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label, boxes=boxes,
                box_labels=np.asarray(item.box_labels, np.int64), width=w, height=h)
     s.checksum = checksum(data)
-    return _finish(prep, s, item.path)
+    out, note, where = _finish(prep, s, item.path, orientation)
+    return out, "; ".join(filter(None, [note, *notes])) if out is not None else note, where
 
 
 def _prepare_packed(prep: _Prep, index: int) -> Result:
@@ -308,6 +328,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
 
     summary = Summary(output=str(dst), format=spec.name)
+    notes: Counter[str] = Counter()
     history: list[dict[str, Any]] = []
     fixed = resize.fixed_shape
     if packed_src:
@@ -324,6 +345,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         scan = scan_source(src, csv, columns, strict=strict)
         summary.skipped.update(scan.skipped)
         summary.problems += scan.problems
+        notes.update(scan.notes)
         classes, tasks = scan.classes, scan.items
         source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
         if not tasks:
@@ -358,9 +380,10 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     try:
         if scheduler is None:
             part = _write_part(job, fn, tasks, tmp, workers=workers, progress=progress,
-                               skipped=Counter(summary.skipped))
+                               skipped=Counter(summary.skipped), notes=Counter(notes))
         else:
-            part = _write_parts(job, fn, tasks, tmp, scheduler, parts, progress, Counter(summary.skipped))
+            part = _write_parts(job, fn, tasks, tmp, scheduler, parts, progress, Counter(summary.skipped),
+                                Counter(notes))
         if not part["count"]:
             raise SourceError(f"{src}: none of its {len(tasks)} inputs could be packed ("
                               + "; ".join(f"{n} {r}" for r, n in sorted(part["skipped"].items()))
@@ -369,6 +392,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         summary.problems += part["problems"]
         summary.packed = part["count"]
         summary.info["duplicate_content"] = part["duplicate_content"]
+        summary.info["notes"] = dict(part["notes"])
         summary.info["workers"] = part.get("workers")
         summary.manifest = part["manifest"]
         _fsync_tree(tmp)
@@ -457,11 +481,12 @@ class _Job:
 
 
 def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: Path, *,
-                workers: int | str = 0, progress: bool | None = False,
-                skipped: Counter[str] | None = None) -> dict[str, Any]:
+                workers: int | str = 0, progress: bool | None = False, skipped: Counter[str] | None = None,
+                notes: Counter[str] | None = None) -> dict[str, Any]:
     """Write ``tasks`` as one complete, self-describing dataset at ``path``."""
     spec = get_format(job.format)
     skipped = Counter(skipped or {})
+    notes = Counter(notes or {})
     problems: list[str] = []
     writer = spec.writer(path, job.options)
     seen: set[str] = set()
@@ -480,7 +505,9 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
                     continue
                 dup += sample.checksum in seen
                 seen.add(sample.checksum)
-                done[reason] += 1
+                how, *extra = reason.split("; ")
+                done[how] += 1
+                notes.update(filter(None, extra))
                 writer.add(sample)
         if job.strict and skipped:
             raise SourceError(f"{sum(skipped.values())} inputs were skipped (--strict): " + "; ".join(problems[:5]))
@@ -490,10 +517,11 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
         raise
     manifest = Manifest(format=job.format, count=writer.count, classes=job.classes, image=_image_facts(job.image, done),
                         source=job.source, extra=extra,
-                        summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup})
+                        summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup,
+                                 "notes": dict(notes)})
     writer.write_manifest(manifest)
     return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup,
-            "done": dict(done), "workers": chosen.get("workers"), "manifest": manifest}
+            "notes": dict(notes), "done": dict(done), "workers": chosen.get("workers"), "manifest": manifest}
 
 
 def _image_facts(image: dict[str, Any], done: Counter[str]) -> dict[str, Any]:
@@ -538,7 +566,8 @@ def _client(scheduler: Any) -> tuple[Any, bool]:
 
 
 def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root: Path, scheduler: Any,
-                 parts: int | None, progress: bool | None, skipped: Counter[str]) -> dict[str, Any]:
+                 parts: int | None, progress: bool | None, skipped: Counter[str],
+                 notes: Counter[str]) -> dict[str, Any]:
     """Pack contiguous partitions as Dask tasks into ``root/part-NNNNN<suffix>``,
     then write the top manifest that lists them (only when every part is done)."""
     from dask.distributed import as_completed
@@ -564,16 +593,18 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
     count = sum(r["count"] for r in results)
     for r in results:
         skipped.update(r["skipped"])
+        notes.update(r["notes"])
     dup = sum(r["duplicate_content"] for r in results)
     done = sum((Counter(r["done"]) for r in results), Counter())
     manifest = Manifest(format=job.format, count=count, classes=job.classes, image=_image_facts(job.image, done),
                         source=job.source,
                         extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},
                         summary={"packed": count, "skipped": dict(skipped), "duplicate_content": dup,
-                                 "note": "duplicate_content counts within each part"},
+                                 "notes": dict(notes), "note": "duplicate_content counts within each part"},
                         files=describe_files(root))
     (root / MANIFEST_NAME).write_text(manifest.to_json())
-    return {"count": count, "skipped": dict(skipped), "problems": [p for r in results for p in r["problems"]],
+    return {"count": count, "skipped": dict(skipped), "notes": dict(notes),
+            "problems": [p for r in results for p in r["problems"]],
             "duplicate_content": dup, "done": dict(done), "manifest": manifest,
             "workers": f"{k} parts on {nworkers} Dask workers"}
 
