@@ -192,13 +192,14 @@ def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int | str,
     chosen = {} if chosen is None else chosen
     if workers == "auto":
         spent, done = 0.0, 0
-        while done < min(len(tasks), AUTO_PROBE) and (done < 2 or spent < AUTO_PROBE_S):
+        while done < min(len(tasks), AUTO_PROBE) and (done < 3 or spent < AUTO_PROBE_S):
             t = time.perf_counter()
             result = fn(tasks[done])
-            spent += time.perf_counter() - t
+            if done:  # the first input pays one-time costs (imports, decoder set-up): not counted
+                spent += time.perf_counter() - t
             done += 1
             yield result
-        per, rest = spent / max(done, 1), len(tasks) - done
+        per, rest = spent / max(done - 1, 1), len(tasks) - done
         free = _free_cpus()
         workers = auto_workers(per, rest, free)
         why = ("processes pay off" if workers > 1 else
