@@ -220,7 +220,7 @@ class ResizeSpec:
     def __post_init__(self) -> None:
         if self.size is not None and self.short_side is not None:
             raise ValueError("give either a fixed size or a short side, not both")
-        for v in (*(self.size or ()), *(self.crop or ()), self.short_side or 1):
+        for v in (*(self.size or ()), *(self.crop or ()), *((self.short_side,) if self.short_side is not None else ())):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"resize sizes must be positive integers, got {v!r}")
 

@@ -37,6 +37,8 @@ __all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", 
 
 BATCH = 64
 SIZE = 224
+WORKLOADS = {"W1": f"decode + resize to {SIZE}x{SIZE} of every sample, shuffled batches of {BATCH}",
+             "W2": f"pre-resized uint8 {SIZE}x{SIZE} arrays, shuffled batches of {BATCH}, no decode"}
 
 QUICK_FORMATS = ("lmdb", "tar", "arrays")  # --quick: a smoke run over a couple of formats
 
@@ -363,14 +365,14 @@ def _source(a: argparse.Namespace, work: Path) -> tuple[Path, Path | None, str]:
 
 
 def _pack(src: Path, csv_path: Path | None, work: Path, tag: str,
-          table: dict[str, tuple[str, dict[str, Any]]], shard_samples: int) -> dict[str, dict[str, Any]]:
+          table: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     import packio
     from packio.formats import get_format
 
     out = {}
     for name, (fmt, kw) in table.items():
         suffix = get_format(fmt).suffixes[0]
-        kw = dict(kw, format=fmt, shard_samples=shard_samples)  # several shards: streaming has units to spread
+        kw = dict(kw, format=fmt)  # tar: the default shard count, max(8, 2 x CPUs)
         if "resize" in kw:
             r = kw["resize"]
             kw["resize"] = packio.ResizeSpec(size=tuple(r["size"]) if "size" in r else None,
@@ -379,7 +381,10 @@ def _pack(src: Path, csv_path: Path | None, work: Path, tag: str,
         warm_cache(src)  # every pack, and the bare write, start from the same page cache state
         s = packio.convert(src, dst, csv=csv_path, workers=0, overwrite=True, progress=False, **kw)
         out[name] = {"path": str(dst), "format": fmt, "payload": get_format(fmt).payload_for(None),
-                     "fixed": "size" in table[name][1].get("resize", {}), "pack_s": s.seconds,
+                     "fixed": "size" in table[name][1].get("resize", {}),
+                     "data": ("arrays" if "size" in table[name][1].get("resize", {}) else
+                              "pre-resized" if "short_side" in table[name][1].get("resize", {}) else "original"),
+                     "pack_s": s.seconds,
                      "bytes": disk_bytes(dst), "count": s.packed}
         print(f"packed {name:12s} {s.packed} samples, {out[name]['bytes'] / 1e6:8.1f} MB, {s.seconds:6.1f} s",
               flush=True)
@@ -404,6 +409,8 @@ def _plan(packed: dict[str, dict[str, Any]], workers: list[int], quick: bool, co
     limits = [("L1_1proc", {"kind": "L1", "procs": 1, "path": packed[encoded]["path"]}
                if encoded and not quick else nan),
               (f"L1_{ncpu}proc", {"kind": "L1", "procs": ncpu, "path": packed[encoded]["path"]} if encoded else nan),
+              ("L1_pre256_1proc", {"kind": "L1", "procs": 1, "path": packed["lmdb-pre256"]["path"]}
+               if "lmdb-pre256" in packed else nan),
               ("L1_pre256", {"kind": "L1", "procs": ncpu, "path": packed["lmdb-pre256"]["path"]}
                if "lmdb-pre256" in packed else nan),
               ("L2", {"kind": "L2", "path": packed[arrays]["path"]} if arrays else nan)]
@@ -440,6 +447,9 @@ def _plan(packed: dict[str, dict[str, Any]], workers: list[int], quick: bool, co
             add(name, name, "W1", [max(workers)], cold=True)
         for name in w2[:1]:
             add(name, name, "W2", workers, cold=True)
+    by_path = {p["path"]: p["data"] for p in packed.values()}
+    for cfg in runs:  # which limit a run is measured against: what its loader has to decode
+        cfg["data"] = by_path.get(cfg["path"], "original")
     return limits, runs
 
 
@@ -503,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== packio bench: {label}; {os.cpu_count()} CPUs; workers {workers}; {repeats} repeats", flush=True)
 
     table = variants(QUICK_FORMATS if a.quick else None)
-    packed = _pack(src, csv_path, work, tag, table, shard_samples=max(a.count // 8, 50))
+    packed = _pack(src, csv_path, work, tag, table)
     bare = min(bare_lmdb_write(src, work) for _ in range(1 if a.quick else 2))
     ncpu = os.cpu_count() or 1
     limits, runs = _plan(packed, workers, a.quick, cold, src, csv_path, ncpu)
@@ -538,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, cfg in enumerate(runs):
         rs = results[i]
         errs = [r["error"] for r in rs if "error" in r]
-        row = {**{k: cfg[k] for k in ("label", "workload", "workers", "cold")}, "rate": med(rs, "rate"),
+        row = {**{k: cfg[k] for k in ("label", "workload", "workers", "cold", "data")},
+               "threads": cfg.get("threads", 0), "rate": med(rs, "rate"),
                "first_batch_s": med(rs, "first_batch_s"), "opens_per_sample": med(rs, "opens_per_sample"),
                "peak_mb": med(rs, "peak_mb"), "resident_after_evict": med(rs, "resident_after_evict"),
                "error": errs[0] if errs else None, "runs": [r.get("rate") for r in rs],
@@ -553,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"source": label, "cpus": ncpu, "workers": workers, "repeats": repeats,
               "opens_method": probed.get("opens_method"), "memory_kind": probed.get("memory_kind", "RSS"),
               "limits": {"L1_1proc": l1[1], f"L1_{ncpu}proc": l1[ncpu], "L1_pre256": l1_pre,
+                         "L1_pre256_1proc": lim["L1_pre256_1proc"],
                          "L2_per_sample": l2[0], "L2_batched": l2[1]},
               "pack": {**{n: {k: v for k, v in p.items() if k != "path"} for n, p in packed.items()},
                        "bare_lmdb_write_s": bare},
@@ -569,34 +581,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def limit_for(row: dict[str, Any], r: dict[str, Any]) -> tuple[str, float]:
+    """The machine's limit a run is compared with: decode+resize of the bytes its loader
+    decodes (original or pre-resized), in as many processes as it uses; memcpy for arrays."""
+    L, ncpu = r["limits"], r["cpus"]
+    parallel = row["workers"] > 0 or row.get("threads", 0) > 0
+    data = row.get("data", "original")
+    if data == "arrays":
+        return "L2", L["L2_per_sample"]
+    if data == "pre-resized":
+        return ("L1pre", L["L1_pre256"]) if parallel else ("L1pre·1", L.get("L1_pre256_1proc", L["L1_pre256"]))
+    return ("L1", L[f"L1_{ncpu}proc"]) if parallel else ("L1·1", L["L1_1proc"])
+
+
 def render(r: dict[str, Any]) -> str:
     L = r["limits"]
     ncpu = r["cpus"]
-    l1 = L[f"L1_{ncpu}proc"]
-    l2 = L["L2_per_sample"]
     naive = {row["workers"]: row["rate"] for row in r["runs"] if row["label"].startswith("naive")}
     lines = [f"### packio bench — {r['source']}, {ncpu} CPUs, median of {r['repeats']}",
              "",
-             f"Limits: L1 (decode+resize 224 of in-memory bytes) {L['L1_1proc']:.0f}/s in 1 process, "
-             f"{l1:.0f}/s in {ncpu}; L1 on pre-resized (short side 256) bytes {L['L1_pre256']:.0f}/s; "
-             f"L2 (uint8 224² copy from a page-cached memmap) {l2:.0f}/s per sample, {L['L2_batched']:.0f}/s 64 at a time.",
+             f"- **W1**: {WORKLOADS['W1']}, from the original bytes or from bytes stored pre-resized "
+             f"(short side 256: {', '.join(n for n, p in r['pack'].items() if isinstance(p, dict) and p.get('data') == 'pre-resized')}).",
+             f"- **W2**: {WORKLOADS['W2']}.",
+             f"- Limits (this machine, same rounds): **L1** decode + resize {SIZE}² of in-memory original bytes: "
+             f"{L['L1_1proc']:.0f}/s in 1 process (L1·1), {L[f'L1_{ncpu}proc']:.0f}/s in {ncpu}; "
+             f"**L1pre** the same on pre-resized bytes: {L.get('L1_pre256_1proc', float('nan')):.0f}/s in 1 "
+             f"(L1pre·1), {L['L1_pre256']:.0f}/s in {ncpu}; **L2** uint8 {SIZE}² copy from a page-cached memmap: "
+             f"{L['L2_per_sample']:.0f}/s per sample, {L['L2_batched']:.0f}/s {BATCH} at a time.",
+             "- **× limit**: samples/s over the limit for the same data and number of processes "
+             "(workers = 0 and no decode threads: the 1-process limit).",
              "",
-             "| loader | workload | workers | cache | samples/s | MB/s | ×L1 | ×L2 | ×naive | opens/sample | "
-             f"peak MB ({r['memory_kind']}, process tree) | first batch s |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| loader | workload | data | workers | cache | samples/s | MB/s | × limit | ×naive | opens/sample "
+             f"| peak MB ({r['memory_kind']}, process tree) | first batch s |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["runs"]:
+        head = f"| {row['label']} | {row['workload']} | {row.get('data', '')} | {row['workers']} | "
         if row["error"]:
-            lines.append(f"| {row['label']} | {row['workload']} | {row['workers']} | "
-                         f"{'cold' if row['cold'] else 'warm'} | error: {row['error']} |||||||")
+            lines.append(head + f"{'cold' if row['cold'] else 'warm'} | error: {row['error']} |||||||")
             continue
-        x1 = f"{row['rate'] / l1:.2f}" if row["workload"] == "W1" else ""
-        x2 = f"{row['rate'] / l2:.2f}" if row["workload"] == "W2" else ""
+        name, lim = limit_for(row, r)
         xn = f"{row['rate'] / naive[row['workers']]:.1f}" if naive.get(row["workers"]) and row["workload"] == "W1" else ""
         cold = "warm" if not row["cold"] else f"cold ({row['resident_after_evict'] * 100:.0f}% resident)"
         mbs = "" if row["mb_s"] != row["mb_s"] else f"{row['mb_s']:.0f}"
-        lines.append(f"| {row['label']} | {row['workload']} | {row['workers']} | {cold} | {row['rate']:.0f} | {mbs} | "
-                     f"{x1} | {x2} | {xn} | {row['opens_per_sample']:.4f} | {row['peak_mb']:.0f} | "
-                     f"{row['first_batch_s']:.2f} |")
+        lines.append(head + f"{cold} | {row['rate']:.0f} | {mbs} | {row['rate'] / lim:.2f} ({name}) | {xn} | "
+                     f"{row['opens_per_sample']:.4f} | {row['peak_mb']:.0f} | {row['first_batch_s']:.2f} |")
     lines += ["", f"Opens counted by {r['opens_method']}; memory: peak {r['memory_kind']} summed over the "
               f"loader process and its workers, sampled while they run."]
     lines += ["", "| format | pack s | MB on disk | samples |", "|---|---:|---:|---:|"]
@@ -614,27 +642,72 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# One chart per workload and data kind, each with the limits that apply to it.
+PANELS = (("W1", "original", f"W1 from original bytes: {WORKLOADS['W1']}"),
+          ("W1", "pre-resized", "W1 from pre-resized bytes (short side 256): decode + resize to "
+                                f"{SIZE}x{SIZE}, batches of {BATCH}"),
+          ("W2", "arrays", f"W2: {WORKLOADS['W2']}"))
+
+
 def plot(r: dict[str, Any], path: Path) -> None:
+    """The report's chart: horizontal bars (samples/s, value on each bar), colour = workers
+    or decode threads, hatched = cold page cache, red lines = the machine's limits for that data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     rows = [x for x in r["runs"] if not x["error"]]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
-    for ax, wl in zip(axes, ("W1", "W2")):
-        sel = [x for x in rows if x["workload"] == wl]
-        labels = [f"{x['label']}\nw={x['workers']} {'cold' if x['cold'] else 'warm'}" for x in sel]
-        ax.barh(range(len(sel)), [x["rate"] for x in sel], color=["#4c72b0" if not x["cold"] else "#8172b2" for x in sel])
-        ax.set_yticks(range(len(sel)), labels, fontsize=7)
-        ref = r["limits"][f"L1_{r['cpus']}proc"] if wl == "W1" else r["limits"]["L2_per_sample"]
-        ax.axvline(ref, color="red", ls="--", label=("L1" if wl == "W1" else "L2") + f" {ref:.0f}/s")
-        ax.set_xlabel("samples/s")
-        ax.set_title(f"{wl}: {'decode+resize 224' if wl == 'W1' else 'pre-resized uint8 224²'}")
-        ax.legend()
-    fig.suptitle(f"packio bench — {r['source']}")
+    panels = [(wl, data, title, [x for x in rows if x["workload"] == wl and x.get("data", "original") == data])
+              for wl, data, title in PANELS]
+    panels = [p for p in panels if p[3]]
+    heights = [len(p[3]) + 2.5 for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(15, 0.34 * sum(heights) + 1.2),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    L, ncpu = r["limits"], r["cpus"]
+    palette = ["#4c72b0", "#dd8452", "#55a868", "#8172b2", "#937860"]
+    kinds = sorted({(x["workers"], x.get("threads", 0)) for x in rows}, key=lambda k: (k[1] > 0, k[0]))
+    colours = {k: palette[i % len(palette)] for i, k in enumerate(kinds)}
+
+    def kind_label(k: tuple[int, int]) -> str:
+        w, t = k
+        return (f"{t} decode threads in 1 process" if t else
+                "num_workers=0 (1 process)" if w == 0 else f"num_workers={w}")
+    refs = {"original": [(f"L1 decode+resize limit, 1 process: {L['L1_1proc']:.0f}/s", L["L1_1proc"], ":"),
+                         (f"L1 decode+resize limit, {ncpu} processes: {L[f'L1_{ncpu}proc']:.0f}/s",
+                          L[f"L1_{ncpu}proc"], "--")],
+            "pre-resized": [(f"L1pre limit (pre-resized bytes), 1 process: "
+                             f"{L.get('L1_pre256_1proc', float('nan')):.0f}/s", L.get("L1_pre256_1proc"), ":"),
+                            (f"L1pre limit (pre-resized bytes), {ncpu} processes: {L['L1_pre256']:.0f}/s",
+                             L["L1_pre256"], "--")],
+            "arrays": [(f"L2 memcpy limit, per sample: {L['L2_per_sample']:.0f}/s", L["L2_per_sample"], ":"),
+                       (f"L2 memcpy limit, {BATCH} at a time: {L['L2_batched']:.0f}/s", L["L2_batched"], "--")]}
+    for ax, (wl, data, title, sel) in zip(axes[:, 0], panels):
+        sel = sorted(sel, key=lambda x: (x["label"], x["workers"], x["cold"]))
+        y = list(range(len(sel)))[::-1]
+        keys = [(x["workers"], x.get("threads", 0)) for x in sel]
+        bars = ax.barh(y, [x["rate"] for x in sel], color=[colours[k] for k in keys],
+                       hatch=["//" if x["cold"] else "" for x in sel], edgecolor="white", height=0.7)
+        ax.bar_label(bars, labels=[f"{x['rate']:,.0f}" for x in sel], padding=3, fontsize=8)
+        ax.set_yticks(y, [x["label"] + ("" if x.get("threads") else f"  ·  num_workers={x['workers']}")
+                          + ("  ·  cold" if x["cold"] else "") for x in sel], fontsize=8)
+        top = max([x["rate"] for x in sel] + [v for _, v, _ in refs[data] if v])
+        handles = [Patch(color=colours[k], label=kind_label(k)) for k in kinds if k in keys]
+        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="cold page cache"))
+        for label, value, style in refs[data]:
+            if value:
+                handles.append(ax.axvline(value, color="#c44e52", ls=style, lw=1.2, label=label))
+        ax.set_xlim(0, top * 1.18)
+        ax.set_xlabel("samples per second (higher is better)")
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        ax.grid(axis="x", alpha=0.3)
+    runs = f"median of {r['repeats']} runs" if r["repeats"] > 1 else "1 run"
+    fig.suptitle(f"packio bench — {r['source']}, {ncpu} CPUs, {runs} each", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Pre-resized uint8 arrays: ``images.npy`` uint8[N, H, W, 3] (memory-mapped; a
+"""Pre-resized uint8 arrays, a folder ``DST.arrays/``: ``images.npy`` uint8[N, H, W, 3] (memory-mapped; a
 batch of indices is one fancy-index slice), the label/box columns shared with HDF5
 (packio/formats/columns.py) as ``labels.npy``, ``boxes.npy``, ``box_labels.npy``,
 ``box_offsets.npy``, ``keys.npy`` (unicode), and the full records (with checksums) in
@@ -139,5 +139,5 @@ class ArrayReader(Reader):
         return self._h_images
 
 
-FORMAT = FormatSpec(name="arrays", suffixes=(".npy", ".arrays"), writer=ArrayWriter, reader=ArrayReader,
+FORMAT = FormatSpec(name="arrays", suffixes=(".arrays",), writer=ArrayWriter, reader=ArrayReader,
                     stores="pixels", needs_fixed_shape=True, dataset_prefix="Array")
