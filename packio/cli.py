@@ -105,7 +105,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
-    size = disk_bytes(Path(a.path))
+    p = Path(a.path)
+    size = disk_bytes(p)
     print(f"path:     {a.path}")
     print(f"format:   {m.format} (layout version {m.version})")
     print(f"samples:  {m.count}")
