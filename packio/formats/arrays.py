@@ -17,6 +17,7 @@ import numpy as np
 from packio.errors import FormatError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
+from packio.manifest import Manifest
 from packio.sample import Sample
 
 __all__ = ["ArrayWriter", "ArrayReader", "FORMAT"]
@@ -76,6 +77,14 @@ class ArrayWriter(Writer):
 
 class ArrayReader(Reader):
     cheap_gather = True
+
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        if "parts" in manifest.extra:
+            return []
+        n, shape = manifest.count, manifest.image.get("shape") or ["H", "W", 3]
+        return [f"arrays:   {path / 'images.npy'} uint8[{n}, {', '.join(map(str, shape))}], labels.npy int64[{n}]"
+                f" (numpy.load(..., mmap_mode='r'))"]
 
     def _open(self) -> None:
         try:

@@ -138,6 +138,12 @@ class Reader(ABC):
     def open_unlisted(cls, path: str) -> "Reader":
         raise FormatError(f"{path}: not a packed dataset")
 
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        """Lines for ``packio info`` / the convert summary: how to open ``path`` with
+        the neighbours' tools (h5py, numpy, lmdb, webdataset, tar)."""
+        return []
+
     def __len__(self) -> int:
         return self.manifest.count
 

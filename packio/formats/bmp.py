@@ -12,6 +12,7 @@ from typing import Any
 
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.manifest import Manifest
 from packio.sample import Sample
 
 __all__ = ["BMPWriter", "BMPReader", "FORMAT"]
@@ -45,6 +46,12 @@ class BMPWriter(Writer):
 
 
 class BMPReader(Reader):
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        if "parts" in manifest.extra:
+            return []
+        return [f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)"]
+
     def _open(self) -> None:
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
 

@@ -107,6 +107,11 @@ class HDF5Reader(Reader):
         return file_starts_with(path, SIGNATURE)
 
     @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        what = "images uint8[N, H, W, 3]" if manifest.extra.get("fixed_shape") else "images_bytes + offsets"
+        return [f"hdf5:     h5py.File('{path}'): {what}, labels, boxes + box_offsets"]
+
+    @classmethod
     def open_unlisted(cls, path: str) -> "HDF5Reader":
         return cls(Path(path), cls.read_manifest(Path(path)))
 

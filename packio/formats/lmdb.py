@@ -13,6 +13,7 @@ import lmdb
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
                                  payload_bytes, unpack_record)
+from packio.manifest import Manifest
 from packio.sample import Sample
 
 __all__ = ["LMDBWriter", "LMDBReader", "FORMAT"]
@@ -104,6 +105,11 @@ def _release_env(path: Path) -> None:
 
 
 class LMDBReader(Reader):
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        return [f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
+                f"u32le length | msgpack record | image bytes"]
+
     def _open(self) -> None:
         if not (self.path / "data.mdb").is_file():
             raise FormatError(f"{self.path}: no data.mdb inside; this LMDB dataset is incomplete")

@@ -27,7 +27,7 @@ from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOpti
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
 
-__all__ = ["TarWriter", "TarReader", "FORMAT"]
+__all__ = ["TarWriter", "TarReader", "FORMAT", "tar_pattern"]
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX = "index.npy"
@@ -176,6 +176,38 @@ def _expand(pattern: str) -> list[str]:
     return list(braceexpand(pattern))
 
 
+def tar_pattern(path: Path, m: Manifest) -> str | None:
+    """The brace pattern naming every shard (webdataset / braceexpand syntax), or a glob."""
+    if "parts" not in m.extra:
+        names = [s for s in m.extra.get("shards", []) if isinstance(s, str)]
+        pattern = _brace(names)
+        base = path if path.is_dir() else path.parent  # shards opened by a file name or pattern
+        return str(base / pattern) if pattern else None
+    groups: dict[str, list[str]] = {}
+    for rel in sorted(f for f in m.files if f.endswith(".tar")):
+        head, _, name = rel.rpartition("/")
+        groups.setdefault(head, []).append(name)
+    inner = {tuple(v) for v in groups.values()}
+    outer = _brace(list(groups))
+    if len(inner) == 1 and outer:
+        return str(path / outer / _brace(list(next(iter(inner))))) if _brace(list(next(iter(inner)))) else None
+    return str(path / "*" / "*.tar") + " (a glob: sorted(glob.glob(...)) lists the shards)"
+
+
+def _brace(names: list[str]) -> str | None:
+    """``shard-{000000..000007}.tar`` for contiguous, equally padded numbered names."""
+    found = [re.fullmatch(r"(.*?)(\d+)(\.[^/]*)?", n) for n in names]
+    if not names or not all(found) or len({(f[1], f[3], len(f[2])) for f in found}) != 1:  # type: ignore[index]
+        return None
+    nums = [int(f[2]) for f in found]  # type: ignore[index]
+    if nums != list(range(nums[0], nums[0] + len(nums))):
+        return None
+    if len(nums) == 1:
+        return names[0]
+    f, w = found[0], len(found[0][2])  # type: ignore[index]
+    return f"{f[1]}{{{nums[0]:0{w}d}..{nums[-1]:0{w}d}}}{f[3] or ''}"
+
+
 class TarReader(Reader):
     """Random access through the member index; one open file per shard per process."""
 
@@ -208,6 +240,16 @@ class TarReader(Reader):
     @classmethod
     def claims(cls, path: str) -> bool:
         return cls.detect_shards(path)
+
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        pattern = tar_pattern(path, manifest)
+        if not pattern:
+            return []
+        n = manifest.count
+        shards = len([f for f in manifest.files if f.endswith(".tar")]) or len(manifest.extra.get("shards", []))
+        return [f"shards:   {shards} × ~{n // max(shards, 1)} samples: {pattern}",
+                "          (paste into webdataset.WebDataset(...) or tar tf; members {key}.jpg/.cls/.json)"]
 
     @classmethod
     def open_unlisted(cls, path: str) -> "TarReader":
