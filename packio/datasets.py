@@ -27,6 +27,8 @@ from packio.order import (Split, check_even, check_int, dist_info, dist_world, e
                           rank_lengths, read_state, worker_slice)
 from packio.sample import Sample
 
+__all__ = ["PackedDataset", "PackedIterableDataset", "ResumableSampler", "open_dataset", "format_classes"]
+
 WORKER_STATE = "packio_worker_state"
 
 
@@ -400,16 +402,27 @@ def open_dataset(path: str | Path, *, iterable: bool = False, **kwargs: Any) -> 
     return (PackedIterableDataset if iterable else PackedDataset)(path, **kwargs)
 
 
-def _pair(fmt: str, prefix: str) -> tuple[type[PackedDataset], type[PackedIterableDataset]]:
-    doc = f"A {prefix} dataset; see :class:`PackedDataset` / :class:`PackedIterableDataset`."
-    m = type(f"{prefix}Dataset", (PackedDataset,), {"format_name": fmt, "__doc__": doc, "__module__": __name__})
-    it = type(f"{prefix}IterableDataset", (PackedIterableDataset,),
-              {"format_name": fmt, "__doc__": doc, "__module__": __name__})
-    return m, it
+_FORMAT_CLASSES: dict[str, type] = {}
 
 
-LMDBDataset, LMDBIterableDataset = _pair("lmdb", "LMDB")
-HDF5Dataset, HDF5IterableDataset = _pair("hdf5", "HDF5")
-TarDataset, TarIterableDataset = _pair("tar", "Tar")
-BMPDataset, BMPIterableDataset = _pair("bmp", "BMP")
-ArrayDataset, ArrayIterableDataset = _pair("arrays", "Array")
+def format_classes() -> dict[str, type]:
+    """``{prefix}Dataset`` / ``{prefix}IterableDataset`` for every registered format
+    (``LMDBDataset``, ``TarIterableDataset``, ...): the generic classes pinned to one
+    format. Made once per name, so pickling (spawn workers) finds the same class."""
+    from packio.formats import formats
+
+    for spec in formats().values():
+        doc = f"A {spec.name} dataset; see :class:`PackedDataset` / :class:`PackedIterableDataset`."
+        for base in (PackedDataset, PackedIterableDataset):
+            name = f"{spec.class_prefix}{base.__name__.removeprefix('Packed')}"
+            if name not in _FORMAT_CLASSES:
+                _FORMAT_CLASSES[name] = type(name, (base,), {"format_name": spec.name, "__doc__": doc,
+                                                            "__module__": __name__})
+    return _FORMAT_CLASSES
+
+
+def __getattr__(name: str) -> Any:
+    cls = format_classes().get(name) if name.endswith("Dataset") else None
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cls

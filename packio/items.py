@@ -18,11 +18,14 @@ import numpy as np
 import torch
 
 from packio import decode as dec
+from packio import geometry as geo
 from packio.collation import batch_buffer
 from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.formats import open_reader
 from packio.formats.base import Reader
 from packio.sample import Sample, checksum
+
+__all__ = ["Items", "Decoder", "ErrorPolicy", "DecodeThreads", "read_samples", "output_size"]
 
 log = logging.getLogger("packio")
 Size = int | tuple[int, int] | None
@@ -110,14 +113,15 @@ def pixels(s: Sample, backend: str, min_size: tuple[int, int] | None) -> np.ndar
 
 def _boxes_for(sample: Sample, out_h: int, out_w: int) -> np.ndarray:
     """The sample's boxes (xyxy in stored-image pixels) in the pixels of an
-    ``out_h`` x ``out_w`` output image."""
-    boxes = np.asarray(sample.boxes, np.float32).reshape(-1, 4)
-    h0, w0 = sample.height, sample.width
-    if not (h0 and w0) and isinstance(sample.payload, np.ndarray):
-        h0, w0 = sample.payload.shape[:2]
-    if not len(boxes) or not (h0 and w0) or (h0, w0) == (out_h, out_w):
-        return boxes.copy()
-    return boxes * np.array([out_w / w0, out_h / h0] * 2, np.float32)
+    ``out_h`` x ``out_w`` output image: scaled from the stored size, never from a
+    decoded shape (a read-time decode may use DCT downscaling)."""
+    if not len(sample.boxes):
+        return geo.as_boxes(sample.boxes)
+    try:
+        return geo.resize(sample.boxes, dec.stored_hw(sample.payload, sample.encoding, sample.width, sample.height),
+                          (out_h, out_w))
+    except ValueError as exc:
+        raise CorruptSampleError(sample.key, f"image size unreadable ({exc})") from None
 
 
 def chw(hwc: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -148,7 +152,7 @@ class Decoder:
             verify(s)
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
             raw = isinstance(s.payload, np.ndarray)
-            return item(index, s, chw(s.payload) if raw else s.payload, _boxes_for(s, s.height, s.width))
+            return item(index, s, chw(s.payload) if raw else s.payload, geo.as_boxes(s.boxes))
         img = pixels(s, self.backend, self.size)
         if slot is not None:
             img = dec.resize(img, self.size, out=slot[0])  # type: ignore[arg-type]

@@ -21,6 +21,8 @@ from packio.errors import StateError
 from packio.items import Items
 from packio.order import check_int
 
+__all__ = ["DataLoader"]
+
 log = logging.getLogger("packio")
 _WORKER_ARGS = ("num_workers", "persistent_workers", "prefetch_factor", "worker_init_fn", "multiprocessing_context",
                 "timeout", "in_order")

@@ -17,6 +17,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+__all__ = ["epoch_order", "rank_slice", "rank_lengths", "worker_slice", "Split", "dist_info", "make_state",
+           "read_state", "check_int", "check_even"]
+
 EVEN = (None, "pad", "drop")
 
 

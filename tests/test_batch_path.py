@@ -10,7 +10,7 @@ import torch
 import packio
 
 
-@pytest.mark.parametrize("suffix", [".npy", ".h5"])
+@pytest.mark.parametrize("suffix", [".arrays", ".h5"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_fast_batches_match_samples(gen_folder, tmp_path, suffix, workers):
     src, csv = gen_folder
@@ -58,7 +58,7 @@ def test_decoded_batches_match_samples(gen_folder, tmp_path, threads, workers):
     assert any(len(r["boxes"]) for r in ref.values())
 
 
-@pytest.mark.parametrize("suffix, resize", [(".npy", None), (".h5", None), (".lmdb", (24, 32))])
+@pytest.mark.parametrize("suffix, resize", [(".arrays", None), (".h5", None), (".lmdb", (24, 32))])
 def test_one_read_batches_are_handed_on_without_a_copy(gen_folder, tmp_path, suffix, resize):
     """A batch read in one go (raw gather, or decode+resize into one buffer) gives per-sample items
     whose images are slots of one buffer; packio.collate hands that buffer on instead of stacking."""

@@ -92,7 +92,7 @@ def ddp(tmp_path_factory):
         (src / f"c{c}").mkdir(parents=True)
         for k in range(N // 3):
             (src / f"c{c}" / f"{k:03d}.jpg").write_bytes(jpeg(12, 16, c * 1000 + k))
-    tar = Path(packio.convert(src, work / "d.tar", shard_samples=40, progress=False).output)
+    tar = Path(packio.convert(src, work / "d.wds", shard_samples=40, progress=False).output)
     bad = Path(packio.convert(src, work / "bad.lmdb", progress=False).output)
     corrupt = _corrupt_lmdb_record(bad, 57)
     keys = sorted(packio.open_dataset(tar, decode=False).sample(i).key for i in range(N))

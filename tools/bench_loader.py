@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def epoch_rate(loader) -> tuple[float, float]:
@@ -36,13 +35,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     import packio
-    from synth import make_photo_folder
+    from packio.bench.synth import make_photo_folder
 
     work = Path(a.work)
     src = work / "src"
     if not src.exists():
         make_photo_folder(src, a.count, size=(240, 320), with_csv=False)
-    paths = {"lmdb": work / "d.lmdb", "arrays": work / "d.npy"}
+    paths = {"lmdb": work / "d.lmdb", "arrays": work / "d.arrays"}
     if not paths["lmdb"].exists():
         packio.convert(src, paths["lmdb"], progress=False)
     if not paths["arrays"].exists():
