@@ -20,7 +20,7 @@ import torch
 
 from packio import decode as cpu
 from packio.cuda.backends import Blob, DecodeBackend, get_backend
-from packio.cuda.device import h2d, resolve
+from packio.cuda.device import h2d, resolve, warn_once
 from packio.errors import PackioError
 
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -106,6 +106,9 @@ class BatchDecoder:
         self.dev = resolve(self.device)
         if isinstance(self.backend, str):
             self.impl = None if self.dev.type != "cuda" else get_backend(self.backend)
+            if self.impl is None and self.dev.type == "cuda" and self.backend == "auto":
+                warn_once("no-gpu-decoder", "packio.cuda: no GPU JPEG decoder installed, decoding on the CPU; "
+                          "pip install 'packio[nvimgcodec]' (or [nvimgcodec-cu13]) or 'packio[gpu]'")
         else:
             self.impl = self.backend
 

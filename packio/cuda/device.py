@@ -12,6 +12,13 @@ from packio.errors import PackioError
 _warned: set[str] = set()
 
 
+def warn_once(key: str, message: str) -> None:
+    """A RuntimeWarning said once per process for each ``key``."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def _cuda_index() -> int:
     """This process's GPU: ``LOCAL_RANK`` under torchrun/DDP (one GPU per rank) when
     that GPU exists, else the current device (``torch.cuda.set_device``, or 0; with
@@ -30,10 +37,7 @@ def resolve(device: str | torch.device | None) -> torch.device:
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda", _cuda_index())
-        if "cpu" not in _warned:
-            _warned.add("cpu")
-            warnings.warn("packio.cuda: CUDA is not available; batches stay on the CPU", RuntimeWarning,
-                          stacklevel=3)
+        warn_once("cpu", "packio.cuda: CUDA is not available; batches stay on the CPU")
         return torch.device("cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -75,12 +75,12 @@ class CudaOps:
 
 
 def to_device(batch: Any, ops: CudaOps) -> Any:
-    """Every host tensor of ``batch`` on the device with few copies: pinned or large
-    tensors one ``non_blocking`` copy each (large pageable ones pinned first); all the
-    small pageable ones (labels, indices, packed boxes...) packed into one pinned
-    staging buffer and sent in **one** copy, then viewed back on the device."""
+    """Every host tensor of ``batch`` on the device with few copies: each large tensor
+    one ``non_blocking`` copy (pinned first when pageable); all the small ones (labels,
+    indices, packed boxes...) gathered into one pinned staging buffer and sent in
+    **one** copy, then viewed back on the device."""
     host = [t for t in _tensors(batch) if not ops.on_device(t)]
-    small = [t for t in host if not ops.pinned(t) and t.numel() * t.element_size() <= SMALL]
+    small = [t for t in host if t.numel() * t.element_size() <= SMALL]
     offsets, total = [], 0
     for t in small:
         offsets.append(total)

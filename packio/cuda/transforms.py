@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from packio.cuda import boxes as bx
-from packio.cuda.device import h2d, resolve
+from packio.cuda.device import h2d, resolve, warn_once
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -142,20 +142,31 @@ def _groups(sizes: list[tuple[int, int]], waste: float = 1.5, max_groups: int = 
 def _canvas(images: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """``[b, C, Hmax, Wmax]`` zero-padded copy of differently sized ``[C, H, W]`` images:
     one gather into a nested buffer and one padding kernel, not a copy per image."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*nested tensors is in prototype.*")
-        nested = torch.nested.nested_tensor(list(images), dtype=dtype)
-    return nested.to_padded_tensor(0.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*nested tensors is in prototype.*")
+            return torch.nested.nested_tensor(list(images), dtype=dtype).to_padded_tensor(0.0)
+    except (RuntimeError, NotImplementedError) as exc:  # a torch whose nested tensors lack this: copy per image
+        warn_once("canvas", f"packio.cuda: padding with one copy per image (nested tensors failed: {exc})")
+        hmax, wmax = max(im.shape[-2] for im in images), max(im.shape[-1] for im in images)
+        canvas = images[0].new_zeros((len(images), images[0].shape[0], hmax, wmax), dtype=dtype)
+        for k, im in enumerate(images):
+            canvas[k, :, :im.shape[-2], :im.shape[-1]] = im
+        return canvas
 
 
 def _resample(canvas: torch.Tensor, window: torch.Tensor, size: tuple[int, int], flip: torch.Tensor | None,
               antialias: bool) -> torch.Tensor:
-    (h, w), (hc, wc) = size, canvas.shape[-2:]
-    ry = resample_matrix(hc, window[:, 0], window[:, 2], h, None, antialias, canvas.dtype).unsqueeze(1)
-    rxt = resample_matrix(wc, window[:, 1], window[:, 3], w, flip, antialias, canvas.dtype).transpose(1, 2).unsqueeze(1)
-    if hc * wc * w + h * hc * w <= h * hc * wc + h * wc * w:  # contract the cheaper side first
-        return ry @ (canvas @ rxt)
-    return (ry @ canvas) @ rxt
+    (h, w), (b, c, hc, wc) = size, canvas.shape
+    ry = resample_matrix(hc, window[:, 0], window[:, 2], h, None, antialias, canvas.dtype)
+    rxt = resample_matrix(wc, window[:, 1], window[:, 3], w, flip, antialias, canvas.dtype).transpose(1, 2)
+    # Two products; the width one is a plain bmm over [b, C*H, W] rows, the height one
+    # broadcasts Ry over channels. Contract the cheaper side first.
+    if hc * wc * w + h * hc * w <= h * hc * wc + h * wc * w:
+        tmp = torch.bmm(canvas.reshape(b, c * hc, wc), rxt).view(b, c, hc, w)
+        return torch.matmul(ry.unsqueeze(1), tmp)
+    tmp = torch.matmul(ry.unsqueeze(1), canvas)
+    return torch.bmm(tmp.reshape(b, c * h, wc), rxt).view(b, c, h, w)
 
 
 def resized_crop(images: Images, window: torch.Tensor, size: tuple[int, int], flip: torch.Tensor | None = None,
