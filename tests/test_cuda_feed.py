@@ -97,6 +97,7 @@ def test_prefetcher_passthrough_on_cpu(monkeypatch):
     p = out[1]["boxes"]  # packed, labels travel inside, in step
     assert isinstance(p, PackedBoxes) and "box_labels" not in out[1]
     assert p.image.tolist() == [0] and p.labels.tolist() == [7] and p.boxes.tolist() == [[1, 2, 3, 4]]
+    assert isinstance(next(iter(Prefetcher(batches, pack_boxes=False)))["boxes"], list)
     tup = list(Prefetcher([(torch.ones(2), [torch.ones(1)])], device="cpu",
                           transform=lambda b: (b[0] * 2, b[1])))
     assert torch.equal(tup[0][0], torch.full((2,), 2.0)) and isinstance(tup[0], tuple)

@@ -35,7 +35,8 @@ class PackedBoxes(NamedTuple):
     @classmethod
     def from_lists(cls, boxes: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None,
                    ) -> PackedBoxes:
-        """Per-image host tensors (``[N_i, 4]``, ``[N_i]``) → one packed set, built on the host."""
+        """Per-image tensors (``[N_i, 4]``, ``[N_i]``) → one packed set, where they are
+        (the Prefetcher packs on the host, then copies it once)."""
         n = len(boxes)
         lengths = [len(b) for b in boxes]
         dev = boxes[0].device if n else torch.device("cpu")

@@ -124,9 +124,8 @@ class BatchDecoder:
         rest = [i for i, img in enumerate(out) if img is None]
         self.gpu_decoded += len(data) - len(rest)
         self.cpu_decoded += len(rest)
-        decoded = _pool().map(self._cpu_one, rest, [data[i] for i in rest],
-                              [keys[i] if keys else None for i in rest]) if len(rest) > 1 else \
-            [self._cpu_one(i, data[i], keys[i] if keys else None) for i in rest]
+        args = (rest, [data[i] for i in rest], [keys[i] if keys else None for i in rest])
+        decoded = _pool().map(self._cpu_one, *args) if len(rest) > 1 else map(self._cpu_one, *args)
         for i, img in zip(rest, decoded):
             out[i] = h2d(img, self.dev)
         return out  # type: ignore[return-value]
