@@ -11,7 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 from conftest import jpeg
 from packio import geometry
-from packio.cuda import GPUTransform, PackedBoxes, center_crops, normalize, resized_crop, sample_crops
+from packio.cuda import (GPUTransform, PackedBoxes, center_crops, center_window, normalize, resized_crop,
+                         sample_crops)
 from packio.cuda import boxes as bx
 from packio.cuda import device as devmod
 from packio.cuda.decode import cpu_decode
@@ -93,9 +94,11 @@ def test_sample_crops_follow_the_rules():
 
 
 def test_center_crops():
-    hw = torch.tensor([[375, 500], [500, 375]])
-    assert center_crops(hw, (224, 224)).tolist() == [[0, 0, 375, 500], [0, 0, 500, 375]]
-    assert center_crops(hw, (224, 224), 0.875).tolist() == [[23, 86, 328, 328], [86, 23, 328, 328]]
+    hw = torch.tensor([[375, 500], [500, 375], [101, 30]])
+    assert center_crops(hw[:2], (224, 224)).tolist() == [[0, 0, 375, 500], [0, 0, 500, 375]]
+    assert center_crops(hw[:2], (224, 224), 0.875).tolist() == [[23, 86, 328, 328], [86, 23, 328, 328]]
+    assert center_window(hw, (224, 40)).tolist() == [list(geometry.center_window(h, w, 224, 40)) for h, w in
+                                                     hw.tolist()]
 
 
 def random_boxes(rng, n, w, h):

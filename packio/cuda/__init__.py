@@ -8,8 +8,8 @@ machine; asking for CUDA where there is none raises a clear ``PackioError``.
 from packio.cuda.boxes import PackedBoxes
 from packio.cuda.decode import BatchDecoder, decode_batch
 from packio.cuda.prefetch import Prefetcher
-from packio.cuda.transforms import (GPUTransform, center_crops, normalize, resample_matrix, resized_crop,
-                                    sample_crops)
+from packio.cuda.transforms import (GPUTransform, center_crops, center_window, normalize, resample_matrix,
+                                    resized_crop, sample_crops)
 
-__all__ = ["BatchDecoder", "decode_batch", "Prefetcher", "PackedBoxes", "GPUTransform", "center_crops",
+__all__ = ["BatchDecoder", "decode_batch", "Prefetcher", "PackedBoxes", "GPUTransform", "center_crops", "center_window",
            "normalize", "resample_matrix", "resized_crop", "sample_crops"]

@@ -99,6 +99,14 @@ def center_crops(hw: torch.Tensor, size: tuple[int, int], fraction: float | None
     return torch.cat([torch.floor((H - h) / 2), torch.floor((W - w) / 2), h, w], 1)
 
 
+def center_window(hw: torch.Tensor, crop_hw: tuple[int, int]) -> torch.Tensor:
+    """Centered ``crop_hw`` windows ``float32[B, 4]``, shrunk to fit each image (torchvision's
+    ``CenterCrop`` without padding): the twin of ``packio.geometry.center_window``."""
+    H, W = hw[:, :1].to(torch.float32), hw[:, 1:].to(torch.float32)
+    h, w = H.clamp(max=crop_hw[0]), W.clamp(max=crop_hw[1])
+    return torch.cat([torch.floor((H - h) / 2), torch.floor((W - w) / 2), h, w], 1)
+
+
 def resample_matrix(n_in: int, start: torch.Tensor, length: torch.Tensor, n_out: int,
                     flip: torch.Tensor | None = None, antialias: bool = True,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
