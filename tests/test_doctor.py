@@ -224,3 +224,28 @@ def test_cli_doctor_on_a_packed_dataset(gen_folder, tmp_path, capsys):
     assert "cannot tell without a GPU" in out or "GPU decode (measured)" in out
     assert cli.main(["doctor", str(tmp_path / "missing")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_cpu_seconds_counts_worker_processes():
+    """The CPU time behind the busy-machine ranking includes live child processes."""
+    import multiprocessing as mp
+
+    from packio.doctor.measure import cpu_seconds
+
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    child = ctx.Process(target=lambda: (_spin(0.3), go.set(), time.sleep(5)))
+    before = cpu_seconds()
+    child.start()
+    try:
+        assert go.wait(20)
+        assert cpu_seconds() - before >= 0.25  # the child's 0.3 s of CPU, while it is alive
+    finally:
+        child.terminate()
+        child.join()

@@ -14,7 +14,7 @@ import torch
 
 from packio import decode as dec
 from packio.datasets import DataLoader, PackedDataset
-from packio.doctor.measure import throughput
+from packio.doctor.measure import Rate, throughput
 from packio.doctor.stages import StageCosts
 
 
@@ -52,7 +52,8 @@ class Candidate:
 
     title: str
     tag: str
-    samples_per_s: float = 0.0
+    samples_per_s: float = 0.0  # measured, wall clock
+    cpu_per_sample: float = 0.0  # CPU seconds per sample (this process + its workers) while measured
     settings: dict[str, Any] = field(default_factory=dict)  # DataLoader kwargs + threads
     bytes_per_sample: float = 0.0
     full_bytes: float = 0.0  # extrapolated to the whole dataset
@@ -64,6 +65,13 @@ class Candidate:
     now: bool = False  # the data as it is stored today (the baseline)
     note: str = ""
     error: str = ""
+
+    def ceiling(self, cpus: int) -> float:
+        """Samples/s on ``cpus`` CPUs of its own, from the CPU time measured (an upper bound)."""
+        return cpus / self.cpu_per_sample if self.cpu_per_sample > 0 else self.samples_per_s
+
+    def measured(self, rate: Rate, settings: dict[str, Any]) -> None:
+        self.samples_per_s, self.cpu_per_sample, self.settings = rate.samples_per_s, rate.cpu_per_sample, settings
 
 
 class IndexedDataset(PackedDataset):
@@ -109,19 +117,19 @@ def repeat_index(n: int, batch_size: int, batches: int = 32) -> np.ndarray:
     return np.tile(np.arange(n, dtype=np.int64), reps)
 
 
-def measure_packed(ds: Any, batch_size: int, seconds: float, settings: dict[str, Any]) -> float:
+def measure_packed(ds: Any, batch_size: int, seconds: float, settings: dict[str, Any]) -> Rate:
     """Samples/s of a packio DataLoader over ``ds`` with ``settings`` (as tune returns them)."""
     ds.items.threads = settings.get("threads", 0)
     loader = DataLoader(ds, batch_size=batch_size, shuffle=True,
                         **{k: v for k, v in settings.items() if k != "threads"})
     try:
-        return throughput(loader, seconds)[1]
+        return throughput(loader, seconds)
     finally:
         del loader  # stops persistent workers now, not at garbage collection
 
 
 def tune_and_measure(ds: Any, batch_size: int, trial_s: float, workers: list[int],
-                     threads: tuple[int, ...]) -> tuple[float, dict[str, Any]]:
+                     threads: tuple[int, ...]) -> tuple[Rate, dict[str, Any]]:
     """``packio.tune`` picks the settings; then they are timed once more on their own
     (the winner of a noisy contest is biased high; a fresh run is not)."""
     from packio.tuning import tune
@@ -140,14 +148,14 @@ def process_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def measure_files(paths: list[str], size: int, batch_size: int, settings: dict[str, Any], seconds: float) -> float:
+def measure_files(paths: list[str], size: int, batch_size: int, settings: dict[str, Any], seconds: float) -> Rate:
     """Samples/s of the one-file-per-sample baseline with these DataLoader keyword arguments."""
     from packio.collation import collate
 
     ds = FilesDataset(paths, size, repeat_index(len(paths), batch_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, collate_fn=collate, **settings)
     try:
-        return throughput(loader, seconds)[1]
+        return throughput(loader, seconds)
     finally:
         del loader
 

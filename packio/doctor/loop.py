@@ -175,7 +175,8 @@ class Watch:
         if iter(self.iterable) is self.iterable:
             raise PackioError("measure_loader() re-iterates the loader, but this one is a one-shot iterator; "
                               "wrap a re-iterable (a DataLoader, a list), or read the estimate in report()")
-        self._alone = throughput(self.iterable, seconds)
+        r = throughput(self.iterable, seconds)
+        self._alone = (r.batches_per_s, r.samples_per_s)
         return self._alone
 
     def summary(self) -> WatchReport:

@@ -3,6 +3,7 @@ a ranked recommendation. Bounded by ``seconds``; sized to the CPU/memory budget.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -14,6 +15,7 @@ import numpy as np
 
 from packio.doctor import candidates as cand
 from packio.doctor.limits import CGROUP_ROOT, Budget, budget
+from packio.doctor.measure import Rate
 from packio.doctor.candidates import Candidate
 from packio.doctor.gpu import GpuVerdict, measure_gpu_decode, verdict
 from packio.doctor.source import Source, disk_bytes, open_source
@@ -37,6 +39,7 @@ class Diagnosis:
     gpu: GpuVerdict
     seconds: float  # the budget asked for
     elapsed: float  # what it took
+    busy: str = ""  # why the ranking uses CPU time (other load on the machine), or ""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -50,6 +53,10 @@ class Diagnosis:
     @property
     def now(self) -> Candidate | None:
         return next((c for c in self.candidates if c.now), None)
+
+    def expected(self, c: Candidate) -> float:
+        """The samples/s the ranking uses: as measured, or from CPU time on a busy machine."""
+        return c.ceiling(self.cpus) if self.busy else c.samples_per_s
 
     @property
     def needed(self) -> float | None:
@@ -84,7 +91,7 @@ class _Run:
         """Timed runs per layout: packio.tune's grid + a re-measure of its pick, or one."""
         return 1 if self.quick else len(self.workers) * len(self.threads) + 1
 
-    def rate(self, ds: Any, trial_s: float) -> tuple[float, dict[str, Any]]:
+    def rate(self, ds: Any, trial_s: float) -> tuple[Rate, dict[str, Any]]:
         if self.quick:  # decode threads in this process: no worker start-up to pay for
             settings: dict[str, Any] = {"num_workers": 0, "threads": max(self.threads)}
             return cand.measure_packed(ds, self.batch_size, trial_s, settings), settings
@@ -116,6 +123,7 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     t0 = time.perf_counter()
     b = budget(cgroup_root)
     ncpu = max(1, cpus or b.cpus)
+    load_before = os.getloadavg()[0]
     src = open_source(path, csv)
     n = _sample_size(src.count, fraction, min_samples, max_samples)
     order = [int(i) for i in np.random.default_rng(seed).permutation(src.count)]  # any prefix: a fair sample
@@ -168,13 +176,20 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
             c.note = (c.note + "; " if c.note else "") + (
                 f"{c.full_bytes / 2**30:.1f} GiB > {b.memory_free / 2**30:.1f} GiB of memory: will not stay in the "
                 f"page cache; needs {c.samples_per_s * c.bytes_per_sample / 1e6:.0f} MB/s from disk")
-    ranked = sorted(out, key=lambda c: (bool(c.error), -c.samples_per_s))
+    # Other processes keeping the machine's CPUs busy make wall-clock rates a lottery; the
+    # CPU time a loader spends per sample they disturb far less: rank by it then.
+    others = max(load_before, os.getloadavg()[0] - ncpu)
+    busy = f"load {others:.1f} from other processes on {os.cpu_count()} CPUs" if others > (os.cpu_count() or 1) else ""
+    if busy:
+        notes.append(f"the machine was busy ({busy}): ranked by CPU time per sample (≤ samples/s on {ncpu} CPUs "
+                     "of its own); the measured samples/s are shown as measured")
+    ranked = sorted(out, key=lambda c: (bool(c.error), -(c.ceiling(ncpu) if busy else c.samples_per_s)))
     notes.append("rates: warm page cache, the sample repeated so that every timed epoch holds ≥ 32 batches; "
                  "the machine's other load counts (a shared machine gives noisy figures)")
     return Diagnosis(source=src.describe(), count=src.count, sample=len(idx), size=size, batch_size=batch_size,
                      step_ms=step_ms, budget=b, cpus=ncpu, workers_tried=[0] if quick else workers, stages=stages,
                      candidates=ranked, gpu=_gpu(run, ranked, stages, ncpu, step_ms, gpu_decode_ms),
-                     seconds=seconds, elapsed=time.perf_counter() - t0, notes=notes)
+                     seconds=seconds, elapsed=time.perf_counter() - t0, busy=busy, notes=notes)
 
 
 def _measure_all(run: _Run, lays: list[cand.Layout], deadline: float, pack_est: dict[str, float],
@@ -221,7 +236,7 @@ def _measure_stored(run: _Run, c: Candidate, trial_s: float) -> None:
     try:
         index = np.asarray(run.idx)[cand.repeat_index(len(run.idx), run.batch_size)]
         ds = cand.IndexedDataset(run.src.path, index, resize=run.size)
-        c.samples_per_s, c.settings = run.rate(ds, trial_s)
+        c.measured(*run.rate(ds, trial_s))
     except PackioError as exc:
         c.error = str(exc)
     c.reader_lines = cand.reader_lines(str(run.src.path), run.size, run.batch_size, c.settings)
@@ -253,13 +268,13 @@ def _measure_layout(run: _Run, lay: cand.Layout, trial_s: float, now: Candidate)
                                 if p[:3] == b"\xff\xd8\xff"]
             run.say(f"timing {lay.title} ...")
             ds = cand.IndexedDataset(dst, cand.repeat_index(packed, run.batch_size), resize=lay.reader_resize)
-            c.samples_per_s, c.settings = run.rate(ds, trial_s)
+            c.measured(*run.rate(ds, trial_s))
             ds.reader.close()
             if lay.tag == "orig" and run.src.kind == "folder":
                 run.say(f"timing {now.title} ...")
                 paths = [str(run.sample_dir / reader.read(i).key) for i in range(len(reader))]
-                now.settings = cand.process_settings(c.settings)
-                now.samples_per_s = cand.measure_files(paths, run.size, run.batch_size, now.settings, trial_s)
+                settings = cand.process_settings(c.settings)
+                now.measured(cand.measure_files(paths, run.size, run.batch_size, settings, trial_s), settings)
                 now.note = "DataLoader settings of the original-bytes LMDB (threads as worker processes)"
         finally:
             reader.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from packio.doctor.candidates import Candidate
 from packio.doctor.offline import Diagnosis
 from packio.doctor.stages import STAGES, StageCosts
 
@@ -28,8 +29,18 @@ def _stage_line(st: StageCosts) -> str:
     return f"{us} = {st.total * 1e6:.0f} µs"
 
 
-def _ratio(c_rate: float, base: float) -> str:
-    return f"{c_rate / base:.1f}" if base > 0 else "-"
+def _ranked(d: Diagnosis) -> list[tuple[str, Candidate]]:
+    """(rank label, candidate): 1, 2, ... for layouts, 'now' for the data as it is, '-' for errors."""
+    out, rank = [], 0
+    for c in d.candidates:
+        rank += not (c.now or c.error)
+        out.append(("-" if c.error else "now" if c.now else str(rank), c))
+    return out
+
+
+def _vs_now(d: Diagnosis, c: Candidate) -> str:
+    base = d.expected(d.now) if d.now and not d.now.error else 0.0
+    return f"{d.expected(c) / base:.1f}" if base > 0 else "-"
 
 
 def recommendation(d: Diagnosis) -> list[str]:
@@ -37,24 +48,25 @@ def recommendation(d: Diagnosis) -> list[str]:
     best, crops, now = d.best, d.best_with_crops, d.now
     if best is None:
         return ["no layout could be measured (see the errors above)"]
-    base = now.samples_per_s if now and not now.error else 0.0
-    lines = [f"recommendation: {best.title}: {best.samples_per_s:.0f} samples/s"
-             + (f", {best.samples_per_s / base:.1f} × {now.title}" if base else "")  # type: ignore[union-attr]
+    base = d.expected(now) if now and not now.error else 0.0
+    how = f" (from CPU time; measured {best.samples_per_s:.0f} on the busy machine)" if d.busy else ""
+    lines = [f"recommendation: {best.title}: {d.expected(best):.0f} samples/s{how}"
+             + (f", {d.expected(best) / base:.1f} × {now.title}" if base else "")  # type: ignore[union-attr]
              + f"; {_mb(best.full_bytes)} for all {d.count} samples",
              f"  {best.convert_line}", *[f"  {x}" for x in best.reader_lines]]
     if not best.keeps_crops:
         lines.append(f"  note: this fixes the {d.size}x{d.size} crop at pack time (flips and GPU-side augmentation "
                      "only).")
         if crops is not None:
-            lines += [f"  with random-resized crops: {crops.title}: {crops.samples_per_s:.0f} samples/s, "
+            lines += [f"  with random-resized crops: {crops.title}: {d.expected(crops):.0f} samples/s, "
                       f"{_mb(crops.full_bytes)}", f"  {crops.convert_line}", *[f"  {x}" for x in crops.reader_lines]]
     if d.needed:
-        ok = [c.title for c in d.candidates if not c.error and c.samples_per_s >= d.needed]
+        ok = [c.title for c in d.candidates if not c.error and d.expected(c) >= d.needed]
         lines.append(f"a {d.step_ms:g} ms step of {d.batch_size} takes {d.needed:.0f} samples/s: "
                      + (f"kept fed by {', '.join(ok)}" if ok else
                         "no layout keeps it fed on these CPUs (expect waits: see the GPU line, or more CPUs)"))
-        if now and not now.error and now.samples_per_s < d.needed:
-            lines.append(f"  as it is now the step would wait ~{(1 - now.samples_per_s / d.needed) * 100:.0f} % "
+        if now and not now.error and d.expected(now) < d.needed:
+            lines.append(f"  as it is now the step would wait ~{(1 - d.expected(now) / d.needed) * 100:.0f} % "
                          "of the time (estimate: data time beyond the step, with the loader overlapping the step)")
     return lines
 
@@ -72,24 +84,23 @@ def text(d: Diagnosis) -> str:
              f"decode {st.share('decode') * 100:.0f} %, resize {st.share('resize') * 100:.0f} % "
              f"(stored images ~{st.stored_hw[1]}x{st.stored_hw[0]} px)",
              "",
-             f"{'rank':>4}  {'layout':34s} {'samples/s':>10} {'× now':>6} {'full set':>9}  loader settings"]
-    base = d.now.samples_per_s if d.now and not d.now.error else 0.0
-    rank = 0
-    for c in d.candidates:
+             f"{'rank':>4}  {'layout':32s} {'samples/s':>9} {'CPU µs/sample':>13} {f'≤/s on {d.cpus} CPUs':>15} "
+             f"{'× now':>6} {'full set':>8}  loader settings"]
+    for label, c in _ranked(d):
         if c.error:
-            lines.append(f"{'-':>4}  {c.title:34s} error: {c.error}")
+            lines.append(f"{label:>4}  {c.title:32s} error: {c.error}")
             continue
-        rank += 0 if c.now else 1
-        label = "now" if c.now else str(rank)
-        lines.append(f"{label:>4}  {c.title:34s} {c.samples_per_s:10.0f} {_ratio(c.samples_per_s, base):>6} "
-                     f"{_mb(c.full_bytes):>9}  {_settings(c.settings)}" + (f"  ({c.note})" if c.note else ""))
+        lines.append(f"{label:>4}  {c.title:32s} {c.samples_per_s:9.0f} {c.cpu_per_sample * 1e6:13.0f} "
+                     f"{c.ceiling(d.cpus):15.0f} {_vs_now(d, c):>6} {_mb(c.full_bytes):>8}  {_settings(c.settings)}"
+                     + (f"  ({c.note})" if c.note else ""))
+    lines.append(f"      (samples/s: measured; ≤/s: CPU time → what {d.cpus} CPUs of its own could give; "
+                 f"ranked by {'≤/s: the machine was busy' if d.busy else 'samples/s'})")
     lines += ["", *recommendation(d), "", *d.gpu.lines, ""]
     lines += [f"note: {n}" for n in d.notes]
     return "\n".join(lines)
 
 
 def markdown(d: Diagnosis, png: str | None) -> str:
-    base = d.now.samples_per_s if d.now and not d.now.error else 0.0
     md = [f"# packio doctor — {d.source}", "",
           f"- budget: {d.budget.text()}; timed with {d.cpus} CPUs, num_workers tried {d.workers_tried}",
           f"- sample: {d.sample} of {d.count}, training size {d.size}, batch {d.batch_size}; "
@@ -102,16 +113,18 @@ def markdown(d: Diagnosis, png: str | None) -> str:
         md.append(f"| {c.title} | " + " | ".join(f"{getattr(s, k) * 1e6:.0f}" for k in STAGES)
                   + f" | {s.total * 1e6:.0f} | {s.per_core():.0f} |")
     md += ["", "## Layouts, ranked (warm page cache, settings from packio.tune)", "",
-           "| rank | layout | samples/s | × now | size, full set | loader settings | note |",
-           "|---:|---|---:|---:|---:|---|---|"]
-    rank = 0
-    for c in d.candidates:
+           f"| rank | layout | samples/s | CPU µs/sample | ≤/s on {d.cpus} CPUs | × now | size, full set | "
+           "loader settings | note |",
+           "|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for label, c in _ranked(d):
         if c.error:
-            md.append(f"| - | {c.title} | error: {c.error} | | | | |")
+            md.append(f"| {label} | {c.title} | error: {c.error} | | | | | | |")
             continue
-        rank += 0 if c.now else 1
-        md.append(f"| {'now' if c.now else rank} | {c.title} | {c.samples_per_s:.0f} | "
-                  f"{_ratio(c.samples_per_s, base)} | {_mb(c.full_bytes)} | {_settings(c.settings)} | {c.note} |")
+        md.append(f"| {label} | {c.title} | {c.samples_per_s:.0f} | {c.cpu_per_sample * 1e6:.0f} | "
+                  f"{c.ceiling(d.cpus):.0f} | {_vs_now(d, c)} | {_mb(c.full_bytes)} | {_settings(c.settings)} | "
+                  f"{c.note} |")
+    md += ["", f"samples/s: measured (wall clock); ≤/s: from the CPU time spent per sample, what {d.cpus} CPUs of its "
+           f"own could give (an upper bound); ranked by {'≤/s, as the machine was busy' if d.busy else 'samples/s'}."]
     rec = recommendation(d)
     md += ["", "## Recommendation", "", rec[0], "", "```bash" if rec[1:] else ""]
     for line in rec[1:]:
@@ -146,12 +159,13 @@ def plot(d: Diagnosis, path: Path) -> None:
     ax1.set_xlabel("µs per sample on one core")
     ax1.set_title("where the time goes (per stage)")
     ax1.legend(fontsize=8, loc="lower right")
-    rates = [c.samples_per_s for c in ranked]
+    rates = [d.expected(c) for c in ranked]
     ax2.barh(range(len(ranked)), rates, color=["#8c8c8c" if c.now else "#4c72b0" for c in ranked])
     for y, r in enumerate(rates):
         ax2.text(r, y, f" {r:.0f}", va="center", fontsize=8)
     ax2.set_yticks(range(len(ranked)), [c.title + (" (now)" if c.now else "") for c in ranked], fontsize=8)
-    ax2.set_xlabel(f"samples/s with {d.cpus} CPUs (batch {d.batch_size}, {d.size}x{d.size})")
+    ax2.set_xlabel(f"samples/s with {d.cpus} CPUs (batch {d.batch_size}, {d.size}x{d.size})"
+                   + ("; from CPU time: the machine was busy" if d.busy else ""))
     ax2.set_title("layouts, timed with packio.tune's settings")
     if d.needed:
         ax2.axvline(d.needed, color="red", ls="--", label=f"step needs {d.needed:.0f}/s")
