@@ -156,16 +156,16 @@ def plot(d: Diagnosis, path: Path) -> None:
         ax1.text(total, y, f" {total:.0f}", va="center", fontsize=8)
     ax1.set_yticks(range(len(with_stages)), [c.title for c in with_stages], fontsize=8)
     ax1.invert_yaxis()
-    ax1.set_xlabel("µs per sample on one core")
+    ax1.set_xlabel("µs of CPU per sample")
     ax1.set_title("where the time goes (per stage)")
-    ax1.legend(fontsize=8, loc="lower right")
+    ax1.legend(fontsize=8, ncol=len(STAGES), loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
     rates = [d.expected(c) for c in ranked]
     ax2.barh(range(len(ranked)), rates, color=["#8c8c8c" if c.now else "#4c72b0" for c in ranked])
     for y, r in enumerate(rates):
         ax2.text(r, y, f" {r:.0f}", va="center", fontsize=8)
     ax2.set_yticks(range(len(ranked)), [c.title + (" (now)" if c.now else "") for c in ranked], fontsize=8)
     ax2.set_xlabel(f"samples/s with {d.cpus} CPUs (batch {d.batch_size}, {d.size}x{d.size})"
-                   + ("; from CPU time: the machine was busy" if d.busy else ""))
+                   + ("\nfrom CPU time per sample: the machine was busy" if d.busy else ""))
     ax2.set_title("layouts, timed with packio.tune's settings")
     if d.needed:
         ax2.axvline(d.needed, color="red", ls="--", label=f"step needs {d.needed:.0f}/s")

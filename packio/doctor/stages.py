@@ -143,25 +143,29 @@ class _BatchStream(IterableDataset):
 
 
 def transfer_cost(batch_size: int, size: int, seconds: float = 0.5) -> float:
-    """Seconds per sample to hand decoded ``batch_size``×``size``²×3 uint8 batches from
-    one DataLoader worker to this process (made in shared memory in the worker,
-    received and touched here), timed after the first batch."""
+    """CPU seconds per sample to hand decoded ``batch_size``×``size``²×3 uint8 batches
+    from one DataLoader worker to this process: made in shared memory in the worker,
+    received and touched here; both processes' CPU time, after the first batch. CPU
+    time, not wall time: other processes on a busy machine stretch the latter."""
+    from packio.doctor.measure import cpu_seconds
+
     loader = DataLoader(_BatchStream((batch_size, size, size, 3), 10_000), batch_size=None, num_workers=1,
                         prefetch_factor=2)
-    gaps: list[float] = []
-    t_last: float | None = None
-    t_first = time.perf_counter()
+    n, t_first, cpu_first = 0, None, 0.0
     it = iter(loader)
     try:
         for batch in it:
             int(batch.view(-1)[::4096].sum())  # touch every page, as a copy to the GPU would
             now = time.perf_counter()
-            if t_last is not None:  # the first batch is start-up
-                gaps.append(now - t_last)
-            t_last = now
-            if now - t_first >= seconds and len(gaps) >= 5:
+            if t_first is None:  # the first batch is start-up
+                t_first, cpu_first = now, cpu_seconds()
+                continue
+            n += 1
+            if now - t_first >= seconds and n >= 5:
+                cpu = cpu_seconds() - cpu_first  # while the worker is still alive
                 break
+        else:
+            cpu = cpu_seconds() - cpu_first
     finally:
         del it  # stops the worker
-    # The median gap: robust to time slices taken by other processes on a busy machine.
-    return float(np.median(gaps)) / batch_size if gaps else 0.0
+    return cpu / (n * batch_size) if n else 0.0
