@@ -184,24 +184,24 @@ class Watch:
         from packio.doctor.limits import budget
 
         self._resolve(block=True)
-        n = min(len(self.waits), len(self.steps))
-        waits, steps = self.waits[:n], self.steps[:n]
+        waits, steps = self.waits, self.steps
+        n = len(waits)  # steady-state waits: every step's but the first of each pass
         wait_s, step_s = float(sum(waits)), float(sum(steps))
-        wall_w, wall_s = float(sum(self.wall_waits[:n])), float(sum(self.wall_steps[:n]))
-        rate = n / (wall_w + wall_s) if n and wall_w + wall_s > 0 else 0.0
+        wall = float(sum(self.wall_waits) + sum(self.wall_steps))
+        rate = len(self.wall_steps) / wall if wall > 0 else 0.0
         per_batch = self.samples / max(len(self.wall_steps), 1)
-        needs = 1.0 / np.mean(steps) if n and np.mean(steps) > 0 else float("inf")
+        needs = 1.0 / np.mean(steps) if steps and np.mean(steps) > 0 else float("inf")
         workers = getattr(self.iterable, "num_workers", None)
         if self._alone is not None:
             alone, how = (self._alone[0], self._alone[0]), "measured alone with measure_loader()"
         elif not n:
             alone, how = (0.0, 0.0), "no steady-state steps yet"
         elif workers == 0:
-            mean_wait = np.mean(self.wall_waits[:n])
+            mean_wait = np.mean(self.wall_waits)
             alone = (1 / mean_wait,) * 2 if mean_wait > 0 else (float("inf"),) * 2
             how = "num_workers=0: the loader works only inside next(), so alone it runs at 1 / mean wait"
         else:
-            mean_wait = np.mean(self.wall_waits[:n])
+            mean_wait = np.mean(self.wall_waits)
             alone = (rate, 1 / mean_wait if mean_wait > 0 else float("inf"))
             how = ("estimated from wait times: at least the observed rate, at most 1 / mean wait; "
                    "measure_loader() measures it")

@@ -123,8 +123,10 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     t0 = time.perf_counter()
     b = budget(cgroup_root)
     ncpu = max(1, cpus or b.cpus)
-    load_before = os.getloadavg()[0]
+    load_before = _load()
     src = open_source(path, csv)
+    if not src.count:
+        raise PackioError(f"{path}: holds no samples; nothing to measure")
     n = _sample_size(src.count, fraction, min_samples, max_samples)
     order = [int(i) for i in np.random.default_rng(seed).permutation(src.count)]  # any prefix: a fair sample
     say(f"budget: {b.text()}" + (f"; using {ncpu} CPUs as asked" if cpus else ""))
@@ -170,26 +172,39 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
         else:
             shutil.rmtree(root, ignore_errors=True)
 
-    for c in out:
-        c.full_bytes = c.bytes_per_sample * src.count
-        if c.full_bytes > b.memory_free and not c.error:
-            c.note = (c.note + "; " if c.note else "") + (
-                f"{c.full_bytes / 2**30:.1f} GiB > {b.memory_free / 2**30:.1f} GiB of memory: will not stay in the "
-                f"page cache; needs {c.samples_per_s * c.bytes_per_sample / 1e6:.0f} MB/s from disk")
-    # Other processes keeping the machine's CPUs busy make wall-clock rates a lottery; the
-    # CPU time a loader spends per sample they disturb far less: rank by it then.
-    others = max(load_before, os.getloadavg()[0] - ncpu)
-    busy = f"load {others:.1f} from other processes on {os.cpu_count()} CPUs" if others > (os.cpu_count() or 1) else ""
-    if busy:
-        notes.append(f"the machine was busy ({busy}): ranked by CPU time per sample (≤ samples/s on {ncpu} CPUs "
-                     "of its own); the measured samples/s are shown as measured")
-    ranked = sorted(out, key=lambda c: (bool(c.error), -(c.ceiling(ncpu) if busy else c.samples_per_s)))
-    notes.append("rates: warm page cache, the sample repeated so that every timed epoch holds ≥ 32 batches; "
-                 "the machine's other load counts (a shared machine gives noisy figures)")
+    ranked, busy = _rank(out, src.count, b, ncpu, load_before, notes)
     return Diagnosis(source=src.describe(), count=src.count, sample=len(idx), size=size, batch_size=batch_size,
                      step_ms=step_ms, budget=b, cpus=ncpu, workers_tried=[0] if quick else workers, stages=stages,
                      candidates=ranked, gpu=_gpu(run, ranked, stages, ncpu, step_ms, gpu_decode_ms),
                      seconds=seconds, elapsed=time.perf_counter() - t0, busy=busy, notes=notes)
+
+
+def _load() -> float:
+    """The machine's 1-minute load average (0 where the platform has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def _rank(out: list[Candidate], count: int, b: Budget, ncpu: int, load_before: float,
+          notes: list[str]) -> tuple[list[Candidate], str]:
+    """Full-size disk figures, then the ranking: by measured samples/s, or by CPU time
+    per sample when other processes kept the machine busy (wall-clock rates are a
+    lottery then; CPU time per sample is disturbed far less)."""
+    for c in out:
+        c.full_bytes = c.bytes_per_sample * count
+        if c.full_bytes > b.memory_free and not c.error:
+            c.note = (c.note + "; " if c.note else "") + (
+                f"{c.full_bytes / 2**30:.1f} GiB > {b.memory_free / 2**30:.1f} GiB of memory: will not stay in the "
+                f"page cache; needs {c.samples_per_s * c.bytes_per_sample / 1e6:.0f} MB/s from disk")
+    machine = os.cpu_count() or 1
+    others = max(load_before, _load() - ncpu)
+    busy = f"load {others:.1f} from other processes on {machine} CPUs" if others > machine else ""
+    if busy:
+        notes.append(f"the machine was busy ({busy}): ranked by CPU time per sample (≤ samples/s on {ncpu} CPUs "
+                     "of its own); the measured samples/s are shown as measured")
+    notes.append("rates: warm page cache, the sample repeated so that every timed epoch holds ≥ 32 batches; "
+                 "the machine's other load counts (a shared machine gives noisy figures)")
+    ranked = sorted(out, key=lambda c: (bool(c.error), -(c.ceiling(ncpu) if busy else c.samples_per_s)))
+    return ranked, busy
 
 
 def _measure_all(run: _Run, lays: list[cand.Layout], deadline: float, pack_est: dict[str, float],
