@@ -29,20 +29,25 @@ class Layout:
     flags: tuple[str, ...]  # packio convert options
     reader_resize: int | None  # resize= for open_dataset (None: images come at the training size)
     keeps_crops: bool  # False: the training crop is fixed at pack time
+    # Pack the sample from this layout's sample instead of the originals: reading speed
+    # and size depend on the stored image's dimensions only, and this saves a full
+    # decode of every original per layout.
+    pack_from: str | None = None
 
 
 def layouts(size: int, quality: int = 90) -> list[Layout]:
     """Original bytes, JPEG and BMP pre-resized to a short side leaving room for
     random crops (256 for 224, the ImageNet habit), and uint8 at the training size."""
     short = max(size, round(size * 256 / 224))
+    jpeg = f"jpeg{short}"
     return [
         Layout("orig", "original bytes, LMDB", ".lmdb", None, (), size, True),
-        Layout(f"jpeg{short}", f"JPEG short side {short} q{quality}, LMDB", ".lmdb",
+        Layout(jpeg, f"JPEG short side {short} q{quality}, LMDB", ".lmdb",
                dec.ResizeSpec(short_side=short), ("--short-side", str(short), "--quality", str(quality)), size, True),
         Layout(f"bmp{short}", f"BMP short side {short}", ".bmp", dec.ResizeSpec(short_side=short),
-               ("--short-side", str(short)), size, True),
+               ("--short-side", str(short)), size, True, pack_from=jpeg),
         Layout(f"u8-{size}", f"uint8 {size}x{size} arrays", ".npy", dec.ResizeSpec(size=(size, size)),
-               ("--size", f"{size}x{size}"), None, False),
+               ("--size", f"{size}x{size}"), None, False, pack_from=jpeg),
     ]
 
 
@@ -184,10 +189,11 @@ def reader_lines(path: str, resize: int | None, batch_size: int, settings: dict[
             f"loader = packio.DataLoader(ds, {', '.join(dl)})"]
 
 
-def pack(sample_dir: Path, dst: Path, layout: Layout, workers: int) -> tuple[int, float]:
-    """Pack the exported sample into ``layout`` at ``dst``: (samples packed, seconds)."""
+def pack(src: Path, dst: Path, layout: Layout, workers: int) -> tuple[int, float]:
+    """Pack ``src`` (the exported sample, or another layout's pack of it) into
+    ``layout`` at ``dst``: (samples packed, seconds)."""
     from packio.converter import convert
 
     t = time.perf_counter()
-    s = convert(sample_dir, dst, resize=layout.resize, workers=workers, progress=False, overwrite=True)
+    s = convert(src, dst, resize=layout.resize, workers=workers, progress=False, overwrite=True)
     return s.packed, time.perf_counter() - t

@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 SELF_CGROUP = "/proc/self/cgroup"
@@ -77,53 +78,46 @@ def _levels(base: Path, rel: str) -> list[Path]:
     return [d for d in dirs if d.is_dir()]
 
 
-def _v2(root: Path, rel: str, sources: list[str]) -> tuple[float | None, int | None, int | None]:
+def _quota_v2(d: Path) -> float | None:
+    parts = (_read(d / "cpu.max") or "").split()  # "max 100000" or "150000 100000"
+    try:
+        return int(parts[0]) / int(parts[1]) if len(parts) == 2 and parts[0] != "max" else None
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _quota_v1(d: Path) -> float | None:
+    try:
+        quota, period = int(_read(d / "cpu.cfs_quota_us") or "-1"), int(_read(d / "cpu.cfs_period_us") or "0")
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _int_file(d: Path, name: str | None) -> int | None:
+    text = _read(d / name) if name else None
+    return int(text) if text and text.isdigit() else None
+
+
+def _tightest(dirs: list[Path], quota_of: Callable[[Path], float | None], quota_file: str | None,
+              limit_file: str | None, usage_file: str | None,
+              sources: list[str]) -> tuple[float | None, int | None, int | None]:
+    """(CPU quota, memory limit, memory usage) over a cgroup and its ancestors: the
+    smallest quota and limit (each level caps all below it); usage of the deepest level."""
     quota: float | None = None
     limit: int | None = None
     used: int | None = None
-    for d in _levels(root, rel):
-        cpu = (_read(d / "cpu.max") or "").split()
-        if len(cpu) == 2 and cpu[0] != "max":
-            try:
-                q = int(cpu[0]) / int(cpu[1])
-            except (ValueError, ZeroDivisionError):
-                q = None
-            if q and q > 0 and (quota is None or q < quota):
-                quota = q
-                sources.append(str(d / "cpu.max"))
-        mem = _read(d / "memory.max")
-        if mem and mem.isdigit() and (limit is None or int(mem) < limit):
-            limit = int(mem)
-            sources.append(str(d / "memory.max"))
-        cur = _read(d / "memory.current")
-        if used is None and cur and cur.isdigit():
-            used = int(cur)
-    return quota, limit, used
-
-
-def _v1(root: Path, own: dict[str, str], sources: list[str]) -> tuple[float | None, int | None, int | None]:
-    quota: float | None = None
-    limit: int | None = None
-    used: int | None = None
-    for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-        for d in _levels(root / name, own.get("cpu", "/")):
-            try:
-                q_us, p_us = int(_read(d / "cpu.cfs_quota_us") or "-1"), int(_read(d / "cpu.cfs_period_us") or "0")
-            except ValueError:
-                continue
-            if q_us > 0 and p_us > 0 and (quota is None or q_us / p_us < quota):
-                quota = q_us / p_us
-                sources.append(str(d / "cpu.cfs_quota_us"))
-        if quota is not None:
-            break
-    for d in _levels(root / "memory", own.get("memory", "/")):
-        mem = _read(d / "memory.limit_in_bytes")
-        if mem and mem.isdigit() and (limit is None or int(mem) < limit):
-            limit = int(mem)
-            sources.append(str(d / "memory.limit_in_bytes"))
-        cur = _read(d / "memory.usage_in_bytes")
-        if used is None and cur and cur.isdigit():
-            used = int(cur)
+    for d in dirs:
+        q = quota_of(d) if quota_file else None
+        if q and q > 0 and (quota is None or q < quota):
+            quota = q
+            sources.append(str(d / quota_file))  # type: ignore[operator]
+        mem = _int_file(d, limit_file)
+        if mem is not None and (limit is None or mem < limit):
+            limit = mem
+            sources.append(str(d / limit_file))
+        if used is None:
+            used = _int_file(d, usage_file)
     return quota, limit, used
 
 
@@ -145,10 +139,15 @@ def budget(cgroup_root: str | Path = CGROUP_ROOT, self_cgroup: str | Path = SELF
     phys = physical if physical is not None else physical_memory()
     own = _own_paths(self_cgroup)
     sources: list[str] = []
-    if (root / "cgroup.controllers").is_file():
-        quota, limit, used = _v2(root, own.get("", "/"), sources)
-    else:
-        quota, limit, used = _v1(root, own, sources)
+    if (root / "cgroup.controllers").is_file():  # v2: one unified hierarchy
+        quota, limit, used = _tightest(_levels(root, own.get("", "/")), _quota_v2, "cpu.max", "memory.max",
+                                       "memory.current", sources)
+    else:  # v1: a hierarchy per controller (cpu is often mounted as cpu,cpuacct)
+        cpu_dirs = next((_levels(root / n, own.get("cpu", "/")) for n in ("cpu", "cpu,cpuacct", "cpuacct,cpu")
+                         if (root / n).is_dir()), [])
+        quota = _tightest(cpu_dirs, _quota_v1, "cpu.cfs_quota_us", None, None, sources)[0]
+        _, limit, used = _tightest(_levels(root / "memory", own.get("memory", "/")), _quota_v1, None,
+                                   "memory.limit_in_bytes", "memory.usage_in_bytes", sources)
     limited = limit is not None and (not phys or limit < phys)
     cpus = max(1, min(aff, math.floor(quota))) if quota else max(1, aff)
     return Budget(cpus=cpus, affinity=aff, cpu_quota=quota, memory=limit if limited else phys,  # type: ignore[arg-type]

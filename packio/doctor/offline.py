@@ -85,6 +85,7 @@ class _Run:
     xfer: float  # per-sample worker → main hand-over cost
     say: Callable[[str], None]
     jpegs: list[bytes] = field(default_factory=list)  # a batch of original JPEG bytes (GPU decode check)
+    packed: dict[str, Path] = field(default_factory=dict)  # layout tag → its pack of the sample
 
     @property
     def trials(self) -> int:
@@ -133,26 +134,34 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
 
     say("measuring per-stage costs ...")
     xfer = transfer_cost(batch_size, size, seconds=min(1.0, 0.02 * seconds))
+    t_stages = time.perf_counter()
     stages = measure_stages("as stored", src.payload, order[:min(n, 64)], size, batch_size, xfer,
                             deadline=t0 + 0.12 * seconds)
+    # wall time per sample pass, preemption by other processes included: what packing will see
+    stage_wall = (time.perf_counter() - t_stages) / (2 * max(stages.n, 1) + 1)
     notes: list[str] = []
     if stages.skipped:
         notes.append(f"{stages.skipped} of the sampled files did not decode (skipped; packio convert counts them)")
-    # Pre-resizing costs about a full decode + area resize + encode per sample and layout:
-    # packing gets ~30 % of the budget, but the sample keeps 2 batches at least.
+    # Pre-resizing the originals costs a full decode + area resize + encode per sample
+    # (~2.5 x a read-time pass); layouts packed from that pack cost little. Packing gets
+    # ~30 % of the budget, but the sample keeps 2 batches at least.
     lays = cand.layouts(size)
-    resized = sum(1 for lay in lays if lay.resize)
-    pack_cost = 3 * (stages.read + stages.decode + stages.resize) + 1e-3
-    n = max(min(n, 2 * batch_size), min(n, int(0.3 * seconds * ncpu / (resized * pack_cost))))
+    heavy = sum(1 for lay in lays if lay.resize and not lay.pack_from)
+    pack_cost = 2.5 * stage_wall + 1e-3
+    n = max(min(n, 2 * batch_size), min(n, int(0.3 * seconds * ncpu / (heavy * pack_cost))))
     idx = sorted(order[:n])
-    pack_workers = ncpu if ncpu > 1 and resized * n * pack_cost > 3.0 else 0  # a process pool takes ~1 s to start
+    # A process pool pays off only for long packs: its forkserver imports this program
+    # (torch included) before the first worker starts: seconds on a busy machine.
+    pack_workers = ncpu if ncpu > 1 and heavy * n * pack_cost > 15.0 else 0
 
     max_w = b.max_workers(batch_size * size * size * 3)
-    workers = sorted({0, min(ncpu, max_w)} | ({min(ncpu // 2, max_w)} if ncpu >= 4 else set()))
+    # one CPU: a worker process only adds hand-over costs to the loader alone
+    workers = sorted({0, min(ncpu, max_w) if ncpu > 1 else 0} | ({min(ncpu // 2, max_w)} if ncpu >= 4 else set()))
     threads = (0, ncpu) if ncpu > 1 else (0,)
     if max_w < ncpu:
         notes.append(f"memory allows {max_w} workers (of {ncpu} CPUs) at batch {batch_size}")
-    pack_est = {lay.tag: n * (pack_cost if lay.resize else 2e-4) / max(1, pack_workers) for lay in lays}
+    pack_est = {lay.tag: n * (pack_cost / max(1, pack_workers) if lay.resize and not lay.pack_from else 2e-3)
+                for lay in lays}
     first_batch = batch_size * stages.total  # each trial waits for a first batch before it times anything
     jobs = len(lays) + 1  # + the data as stored now
     full = jobs * (len(workers) * len(threads) + 1) * (0.2 + 0.3 + first_batch)
@@ -232,9 +241,9 @@ def _measure_all(run: _Run, lays: list[cand.Layout], deadline: float, pack_est: 
         else:
             c = _measure_layout(run, lay, trial_s, now)
         out.append(c)
-        if lay is not None and lay.resize is not None and c.pack_s_per_sample:
+        if lay is not None and c.pack_s_per_sample:
             for t, j in jobs[k + 1:]:  # what packing really costs here, for the layouts still to come
-                if j is not None and j.resize is not None:
+                if j is not None and (j.pack_from, bool(j.resize)) == (lay.pack_from, bool(lay.resize)):
                     pack_est[t] = c.pack_s_per_sample * len(run.idx)
         if trials[tag]:
             spent = time.perf_counter() - t_job - c.pack_s_per_sample * len(run.idx)
@@ -267,12 +276,15 @@ def _measure_layout(run: _Run, lay: cand.Layout, trial_s: float, now: Candidate)
                   convert_line=cand.convert_line(run.src.path, out_name, lay, run.src.csv),
                   reader_lines=cand.reader_lines(out_name, lay.reader_resize, run.batch_size, {}))
     dst = run.root / out_name
+    src_dir = run.packed.get(lay.pack_from or "", run.sample_dir)
     run.say(f"packing {len(run.idx)} samples as {lay.title} ...")
     try:
-        packed, secs = cand.pack(run.sample_dir, dst, lay, workers=run.pack_workers if lay.resize else 0)
+        heavy = lay.resize is not None and src_dir == run.sample_dir  # a full decode of every original
+        packed, secs = cand.pack(src_dir, dst, lay, workers=run.pack_workers if heavy else 0)
         if not packed:
             raise PackioError("no sample of the source could be packed")
         c.pack_s_per_sample = secs / packed
+        run.packed[lay.tag] = dst
         c.bytes_per_sample = disk_bytes(dst) / packed
         reader = open_reader(dst)
         try:

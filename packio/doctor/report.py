@@ -29,12 +29,16 @@ def _stage_line(st: StageCosts) -> str:
     return f"{us} = {st.total * 1e6:.0f} µs"
 
 
-def _ranked(d: Diagnosis) -> list[tuple[str, Candidate]]:
-    """(rank label, candidate): 1, 2, ... for layouts, 'now' for the data as it is, '-' for errors."""
+def _rows(d: Diagnosis) -> list[tuple[str, Candidate, list[str]]]:
+    """(rank label, candidate, cells) in ranked order: 1, 2, ... for layouts, 'now' for
+    the data as it is, '-' for errors. Cells: samples/s, CPU µs/sample, ≤/s on the CPUs,
+    × now, size of the full set, loader settings, note."""
     out, rank = [], 0
     for c in d.candidates:
         rank += not (c.now or c.error)
-        out.append(("-" if c.error else "now" if c.now else str(rank), c))
+        cells = [f"{c.samples_per_s:.0f}", f"{c.cpu_per_sample * 1e6:.0f}", f"{c.ceiling(d.cpus):.0f}",
+                 _vs_now(d, c), _mb(c.full_bytes), _settings(c.settings), c.note]
+        out.append(("-" if c.error else "now" if c.now else str(rank), c, cells))
     return out
 
 
@@ -86,13 +90,10 @@ def text(d: Diagnosis) -> str:
              "",
              f"{'rank':>4}  {'layout':32s} {'samples/s':>9} {'CPU µs/sample':>13} {f'≤/s on {d.cpus} CPUs':>15} "
              f"{'× now':>6} {'full set':>8}  loader settings"]
-    for label, c in _ranked(d):
-        if c.error:
-            lines.append(f"{label:>4}  {c.title:32s} error: {c.error}")
-            continue
-        lines.append(f"{label:>4}  {c.title:32s} {c.samples_per_s:9.0f} {c.cpu_per_sample * 1e6:13.0f} "
-                     f"{c.ceiling(d.cpus):15.0f} {_vs_now(d, c):>6} {_mb(c.full_bytes):>8}  {_settings(c.settings)}"
-                     + (f"  ({c.note})" if c.note else ""))
+    widths = (9, 13, 15, 6, 8)
+    for label, c, cells in _rows(d):
+        lines.append(f"{label:>4}  {c.title:32s} " + (f"error: {c.error}" if c.error else " ".join(
+            f"{v:>{w}}" for v, w in zip(cells, widths)) + f"  {cells[-2]}" + (f"  ({c.note})" if c.note else "")))
     lines.append(f"      (samples/s: measured; ≤/s: CPU time → what {d.cpus} CPUs of its own could give; "
                  f"ranked by {'≤/s: the machine was busy' if d.busy else 'samples/s'})")
     lines += ["", *recommendation(d), "", *d.gpu.lines, ""]
@@ -116,13 +117,9 @@ def markdown(d: Diagnosis, png: str | None) -> str:
            f"| rank | layout | samples/s | CPU µs/sample | ≤/s on {d.cpus} CPUs | × now | size, full set | "
            "loader settings | note |",
            "|---:|---|---:|---:|---:|---:|---:|---|---|"]
-    for label, c in _ranked(d):
-        if c.error:
-            md.append(f"| {label} | {c.title} | error: {c.error} | | | | | | |")
-            continue
-        md.append(f"| {label} | {c.title} | {c.samples_per_s:.0f} | {c.cpu_per_sample * 1e6:.0f} | "
-                  f"{c.ceiling(d.cpus):.0f} | {_vs_now(d, c)} | {_mb(c.full_bytes)} | {_settings(c.settings)} | "
-                  f"{c.note} |")
+    for label, c, cells in _rows(d):
+        md.append(f"| {label} | {c.title} | " + (f"error: {c.error} | | | | | | |" if c.error else
+                                                  " | ".join(cells) + " |"))
     md += ["", f"samples/s: measured (wall clock); ≤/s: from the CPU time spent per sample, what {d.cpus} CPUs of its "
            f"own could give (an upper bound); ranked by {'≤/s, as the machine was busy' if d.busy else 'samples/s'}."]
     rec = recommendation(d)
