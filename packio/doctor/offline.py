@@ -140,6 +140,8 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     # wall time per sample pass, preemption by other processes included: what packing will see
     stage_wall = (time.perf_counter() - t_stages) / (2 * max(stages.n, 1) + 1)
     notes: list[str] = []
+    if csv:
+        notes.append("the CSV's boxes are not packed into the sample: they change little of a sample's cost")
     if stages.skipped:
         notes.append(f"{stages.skipped} of the sampled files did not decode (skipped; packio convert counts them)")
     # Pre-resizing the originals costs a full decode + area resize + encode per sample

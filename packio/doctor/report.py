@@ -65,10 +65,14 @@ def recommendation(d: Diagnosis) -> list[str]:
             lines += [f"  with random-resized crops: {crops.title}: {d.expected(crops):.0f} samples/s, "
                       f"{_mb(crops.full_bytes)}", f"  {crops.convert_line}", *[f"  {x}" for x in crops.reader_lines]]
     if d.needed:
-        ok = [c.title for c in d.candidates if not c.error and d.expected(c) >= d.needed]
+        ok = [c for c in d.candidates if not c.error and d.expected(c) >= d.needed]
         lines.append(f"a {d.step_ms:g} ms step of {d.batch_size} takes {d.needed:.0f} samples/s: "
-                     + (f"kept fed by {', '.join(ok)}" if ok else
+                     + (f"kept fed by {', '.join(c.title for c in ok)}" if ok else
                         "no layout keeps it fed on these CPUs (expect waits: see the GPU line, or more CPUs)"))
+        small = min((c for c in ok if c.keeps_crops), key=lambda c: c.full_bytes, default=None)
+        if small is not None and small is not crops:
+            lines.append(f"  the smallest that does, keeping random crops: {small.title}, {_mb(small.full_bytes)}"
+                         + (f": {small.convert_line}" if small.convert_line else " (no conversion needed)"))
         if now and not now.error and d.expected(now) < d.needed:
             lines.append(f"  as it is now the step would wait ~{(1 - d.expected(now) / d.needed) * 100:.0f} % "
                          "of the time (estimate: data time beyond the step, with the loader overlapping the step)")
