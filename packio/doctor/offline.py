@@ -304,7 +304,9 @@ def _measure_layout(run: _Run, lay: cand.Layout, trial_s: float, now: Candidate)
                 paths = [str(run.sample_dir / reader.read(i).key) for i in range(len(reader))]
                 settings = cand.process_settings(c.settings)
                 now.measured(cand.measure_files(paths, run.size, run.batch_size, settings, trial_s), settings)
-                now.note = "DataLoader settings of the original-bytes LMDB (threads as worker processes)"
+                now.note = "DataLoader settings of the original-bytes LMDB" + (
+                    " (its decode threads as worker processes)" if c.settings.get("threads", 0) > 1
+                    and not c.settings.get("num_workers") else "")
         finally:
             reader.close()
     except PackioError as exc:
