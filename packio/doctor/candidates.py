@@ -24,7 +24,7 @@ class Layout:
 
     tag: str  # goes into the output name
     title: str
-    suffix: str
+    format: str  # a name in packio's format registry
     resize: dec.ResizeSpec | None
     flags: tuple[str, ...]  # packio convert options
     reader_resize: int | None  # resize= for open_dataset (None: images come at the training size)
@@ -34,6 +34,13 @@ class Layout:
     # decode of every original per layout.
     pack_from: str | None = None
 
+    @property
+    def suffix(self) -> str:
+        """The output suffix the registry gives this layout's format."""
+        from packio.formats import get_format
+
+        return get_format(self.format).suffixes[0]
+
 
 def layouts(size: int, quality: int = 90) -> list[Layout]:
     """Original bytes, JPEG and BMP pre-resized to a short side leaving room for
@@ -41,12 +48,12 @@ def layouts(size: int, quality: int = 90) -> list[Layout]:
     short = max(size, round(size * 256 / 224))
     jpeg = f"jpeg{short}"
     return [
-        Layout("orig", "original bytes, LMDB", ".lmdb", None, (), size, True),
-        Layout(jpeg, f"JPEG short side {short} q{quality}, LMDB", ".lmdb",
+        Layout("orig", "original bytes, LMDB", "lmdb", None, (), size, True),
+        Layout(jpeg, f"JPEG short side {short} q{quality}, LMDB", "lmdb",
                dec.ResizeSpec(short_side=short), ("--short-side", str(short), "--quality", str(quality)), size, True),
-        Layout(f"bmp{short}", f"BMP short side {short}", ".bmp", dec.ResizeSpec(short_side=short),
+        Layout(f"bmp{short}", f"BMP short side {short}", "bmp", dec.ResizeSpec(short_side=short),
                ("--short-side", str(short)), size, True, pack_from=jpeg),
-        Layout(f"u8-{size}", f"uint8 {size}x{size} arrays", ".npy", dec.ResizeSpec(size=(size, size)),
+        Layout(f"u8-{size}", f"uint8 {size}x{size} arrays", "arrays", dec.ResizeSpec(size=(size, size)),
                ("--size", f"{size}x{size}"), None, False, pack_from=jpeg),
     ]
 
@@ -195,5 +202,6 @@ def pack(src: Path, dst: Path, layout: Layout, workers: int) -> tuple[int, float
     from packio.converter import convert
 
     t = time.perf_counter()
-    s = convert(src, dst, resize=layout.resize, workers=workers, progress=False, overwrite=True)
+    s = convert(src, dst, format=layout.format, resize=layout.resize, workers=workers, progress=False,
+                overwrite=True)
     return s.packed, time.perf_counter() - t
