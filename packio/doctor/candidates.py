@@ -17,6 +17,8 @@ from packio.datasets import DataLoader, PackedDataset
 from packio.doctor.measure import Rate, throughput
 from packio.doctor.stages import StageCosts
 
+__all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "measure_packed", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack"]
+
 
 @dataclass(frozen=True)
 class Layout:

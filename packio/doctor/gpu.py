@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+__all__ = ["GpuVerdict", "measure_gpu_decode", "verdict"]
+
 
 @dataclass
 class GpuVerdict:

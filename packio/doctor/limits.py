@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+__all__ = ["Budget", "physical_memory", "budget"]
+
 CGROUP_ROOT = "/sys/fs/cgroup"
 SELF_CGROUP = "/proc/self/cgroup"
 WORKER_BASE_BYTES = 400 << 20  # a DataLoader worker: Python + torch + decoder state, measured ~300-400 MB RSS

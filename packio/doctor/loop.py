@@ -27,6 +27,8 @@ import numpy as np
 from packio.doctor.measure import batch_len, percentile_ms, throughput
 from packio.errors import PackioError
 
+__all__ = ["WatchReport", "Watch", "advise", "watch"]
+
 
 @dataclass
 class WatchReport:

@@ -8,6 +8,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+__all__ = ["batch_len", "cpu_seconds", "Rate", "throughput", "percentile_ms"]
+
 
 def batch_len(batch: Any) -> int | None:
     """Samples in a batch: packio's ``label``, else the first tensor/array/list's

@@ -22,6 +22,8 @@ from packio.doctor.source import Source, disk_bytes, open_source
 from packio.doctor.stages import StageCosts, measure_stages, transfer_cost
 from packio.errors import PackioError
 
+__all__ = ["Diagnosis", "diagnose"]
+
 
 @dataclass
 class Diagnosis:

@@ -8,6 +8,8 @@ from packio.doctor.candidates import Candidate
 from packio.doctor.offline import Diagnosis
 from packio.doctor.stages import STAGES, StageCosts
 
+__all__ = ["recommendation", "text", "markdown", "plot", "write"]
+
 
 def _mb(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"

@@ -13,6 +13,8 @@ import numpy as np
 from packio.errors import PackioError, SourceError
 from packio.manifest import MANIFEST_NAME
 
+__all__ = ["Source", "disk_bytes", "open_source"]
+
 
 @dataclass
 class Source:

@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from packio import decode as dec
 from packio.collation import collate
 
+__all__ = ["StageCosts", "measure_stages", "transfer_cost"]
+
 STAGES = ("read", "decode", "resize", "collate", "transfer")
 
 
