@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PackioError", "SourceError", "OutputExistsError", "FormatError", "CorruptSampleError"]
+__all__ = ["PackioError", "SourceError", "OutputExistsError", "FormatError", "CorruptSampleError", "StateError"]
 
 
 class PackioError(Exception):
@@ -32,3 +32,7 @@ class CorruptSampleError(PackioError):
 
     def __reduce__(self) -> tuple:
         return (CorruptSampleError, (str(self),))
+
+
+class StateError(PackioError, ValueError):
+    """A resume state that cannot continue this dataset or sampler exactly."""

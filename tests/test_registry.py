@@ -15,7 +15,7 @@ PUBLIC = [
     "ArrayDataset", "ArrayIterableDataset", "BMPDataset", "BMPIterableDataset", "CorruptSampleError",
     "DataLoader", "FormatError", "HDF5Dataset", "HDF5IterableDataset", "LMDBDataset", "LMDBIterableDataset",
     "Manifest", "OutputExistsError", "PackedDataset", "PackedIterableDataset", "PackioError", "ResizeSpec",
-    "ResumableSampler", "Sample", "SourceError", "Summary", "TarDataset", "TarIterableDataset", "collate",
+    "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset", "TarIterableDataset", "collate",
     "convert", "open_dataset", "open_reader", "tune", "verify",
 ]
 
