@@ -31,6 +31,8 @@ from packio.errors import RemoteError
 from packio.manifest import file_digest
 from packio.remote.store import Store
 
+__all__ = ["Cache", "Pin", "default_cache_dir", "parse_size"]
+
 log = logging.getLogger("packio")
 MARK, WHOLE, COMPLETE, LOCKS = ".packio-cache", ".whole", ".complete", ".locks"
 DATASET = ".dataset"  # lock name of a dataset cached whole

@@ -34,6 +34,8 @@ from packio.remote.cache import Cache, FileInfo, Pin
 from packio.remote.store import Retry, Store
 from packio.sample import Sample
 
+__all__ = ["RemoteTarReader", "open_url"]
+
 log = logging.getLogger("packio")
 SINGLE_FILE = (".h5", ".hdf5")
 _MERGE_GAP = 4096  # read an image and its JSON member as one range when this close

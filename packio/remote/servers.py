@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+__all__ = ["RangeHTTPServer", "SeaweedS3", "free_ports", "weed_binary"]
+
 ACCESS_KEY, SECRET_KEY = "packio-local", "packio-local-secret"  # throwaway keys of a throwaway local server
 
 

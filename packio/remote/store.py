@@ -17,6 +17,8 @@ from typing import Any, Callable, TypeVar
 
 from packio.errors import RemoteError
 
+__all__ = ["Retry", "Store"]
+
 log = logging.getLogger("packio")
 T = TypeVar("T")
 EXTRA = "pip install 'packio[remote]'"

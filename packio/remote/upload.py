@@ -17,6 +17,8 @@ from packio.manifest import DIGEST, MANIFEST_NAME, file_digest
 from packio.remote.reader import SINGLE_FILE
 from packio.remote.store import Store
 
+__all__ = ["convert_to_url"]
+
 log = logging.getLogger("packio")
 
 
