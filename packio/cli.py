@@ -117,8 +117,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"samples:  {m.count}")
     print(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
     print(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
-    for line in describe_output(p, m):
-        print(line)
+    for line in describe_output(reader.path if is_url(a.path) else p, m):  # a URL: its cache folder, named as the URL
+        print(line.replace(str(reader.path), a.path) if is_url(a.path) else line)
     shape = m.image.get("shape")
     print(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
     print(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))

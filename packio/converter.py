@@ -65,7 +65,7 @@ class Summary:
         skipped = sum(self.skipped.values())
         lines = [f"packed {self.packed} samples into {self.output} ({self.format}, "
                  f"{self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s"]
-        if self.manifest is not None:
+        if self.manifest is not None and "://" not in self.output:  # a URL: 'packio info URL' describes it
             lines += describe_output(Path(self.output), self.manifest)
         if self.info.get("workers"):
             lines.append(f"workers:  {self.info['workers']}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -76,6 +77,7 @@ def convert_to_url(convert: Callable[..., Any], src: str | Path, dst: str, *, ov
     With ``overwrite`` the old dataset's manifest is deleted first: it stops opening
     before any of its objects is replaced, and its files that the new dataset lacks
     are deleted at the end."""
+    t0 = time.perf_counter()
     dst = dst.rstrip("/")
     parent, _, name = dst.rpartition("/")
     single = Path(name).suffix.lower() in SINGLE_FILE
@@ -111,6 +113,7 @@ def convert_to_url(convert: Callable[..., Any], src: str | Path, dst: str, *, ov
             for rel in sorted(old - set(files)):
                 _try_delete(store, rel)
     summary.output = dst
+    summary.seconds = time.perf_counter() - t0  # packing and uploading
     return summary
 
 
