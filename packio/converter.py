@@ -22,12 +22,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from packio import decode as dec
+from packio import limits
 from packio.errors import OutputExistsError, PackioError, SourceError
 from packio.formats import format_for_path, get_format, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
-from packio.sample import Sample, checksum
-from packio.sources import SourceItem, scan_source
+from packio.sample import Sample, checksum, unstorable
+from packio.sources import SourceItem, read_image_file, scan_source
 
 TMP_MARK = ".packio-tmp-"
 
@@ -63,54 +64,66 @@ class _Prep:
     quality: int
     max_pixels: int
     reader: Reader | None = None  # set when the source is a packed dataset
+    check: str = "header"  # "decode": every image is decoded strictly before it is stored
 
 
 Result = tuple[Sample | None, str, str]  # (sample, skip reason, where)
+CHECKS = ("header", "decode")
+
+
+def _native_errors() -> tuple[type[BaseException], ...]:
+    """What OpenCV, simplejpeg and numpy raise on an image they cannot handle."""
+    return (ValueError, MemoryError, RuntimeError, OverflowError, dec._cv2().error)
 
 
 def _finish(prep: _Prep, s: Sample, where: str) -> Result:
     """Re-encode / resize a sample for the target payload kind."""
     if not prep.resize.active and (
             (prep.payload == "encoded" and s.encoding != "raw") or (prep.payload == s.encoding)):
-        return s, "", where
+        if prep.check == "decode" and not isinstance(s.payload, np.ndarray):
+            try:
+                dec.check_decode(s.payload)
+            except _native_errors() as exc:
+                return None, "corrupt image data", f"{where} ({exc})"
+        return _storable(s, where)
     if isinstance(s.payload, np.ndarray):
         img = s.payload
     else:
         try:
-            img = dec.decode(s.payload, apply_exif=True)
-        except ValueError as exc:
+            img = dec.decode(s.payload, apply_exif=True, strict=prep.check == "decode", max_pixels=prep.max_pixels)
+        except _native_errors() as exc:
             return None, "corrupt image data", f"{where} ({exc})"
+    out_enc = {"raw": "raw", "bmp": "bmp"}.get(prep.payload, "jpeg" if prep.resize.active else "png")
+    if prep.resize.active and (why := dec.output_problem(prep.resize, *img.shape[:2], out_enc, prep.max_pixels)):
+        return None, "resize target too large", f"{where} ({why})"
     boxes, box_labels = s.boxes, s.box_labels
-    if prep.resize.active:
-        img, boxes, keep = dec.apply_spec(img, boxes, prep.resize)
-        boxes, box_labels = boxes[keep], box_labels[keep]
-    if prep.payload == "raw":
-        payload, enc = img, "raw"
-    elif prep.payload == "bmp":
-        payload, enc = dec.encode(img, "bmp"), "bmp"
-    elif prep.resize.active:
-        payload, enc = dec.encode(img, "jpeg", prep.quality), "jpeg"
-    else:  # raw pixels into an encoded format, no resize asked: keep them lossless
-        payload, enc = dec.encode(img, "png"), "png"
-    out = Sample(key=s.key, payload=payload, encoding=enc, label=s.label, boxes=boxes,
+    try:
+        if prep.resize.active:
+            img, boxes, keep = dec.apply_spec(img, boxes, prep.resize)
+            boxes, box_labels = boxes[keep], box_labels[keep]
+        payload = img if out_enc == "raw" else dec.encode(img, out_enc, prep.quality)
+    except _native_errors() as exc:
+        return None, "cannot resize or encode", f"{where} ({type(exc).__name__}: {exc})"
+    # raw pixels into an encoded format with no resize asked are kept lossless (png)
+    out = Sample(key=s.key, payload=payload, encoding=out_enc, label=s.label, boxes=boxes,
                  box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=s.meta)
     out.checksum = checksum(out.payload)
-    return out, "", where
+    return _storable(out, where)
+
+
+def _storable(s: Sample, where: str) -> Result:
+    """The sample, or a skip when a reader would refuse what it stores."""
+    problem = unstorable(s)
+    if problem is not None:
+        return None, problem[0], f"{where} ({problem[1]})"
+    return s, "", where
 
 
 def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
-    try:
-        with open(item.path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        return None, "unreadable file", f"{item.path} ({exc.strerror})"
-    if not data:
-        return None, "empty file", item.path
+    data, reason, detail = read_image_file(item.path, limits.MAX_INPUT_BYTES)
+    if data is None:
+        return None, reason, f"{item.path} ({detail})" if detail else item.path
     enc = dec.sniff(data)
-    if enc is None:
-        return None, "not an image", item.path
-    if enc == "gif":
-        return None, "unsupported image type (gif)", item.path
     try:
         w, h = dec.image_size(data, enc)
     except Exception as exc:  # header parsers raise many types on garbage
@@ -172,7 +185,8 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
             columns: dict[str, str] | None = None, workers: int = 0, strict: bool = False,
             resize: dec.ResizeSpec | None = None, quality: int = 90, overwrite: bool = False,
             shard_samples: int = 10_000, shard_bytes: int = 1 << 30, progress: bool | None = None,
-            max_pixels: int = dec.MAX_PIXELS, scheduler: Any = None, parts: int | None = None) -> Summary:
+            max_pixels: int | None = None, scheduler: Any = None, parts: int | None = None,
+            check: str = "header") -> Summary:
     """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
 
     The format comes from ``format`` or ``dst``'s suffix. Bad inputs are skipped
@@ -184,6 +198,12 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     cluster: the listing is split into ``parts`` contiguous partitions, each packed
     by one task into its own part; the parts are committed under one manifest once
     all of them are complete (needs ``pip install 'packio[dask]'``).
+
+    ``check="decode"`` decodes every image strictly before storing it and skips (and
+    counts) those libjpeg can only decode with warnings ("corrupt image data"); the
+    default ``"header"`` checks headers and JPEG end markers only. Images that are
+    resized are decoded anyway: there the check adds a 1/8-scale strict JPEG decode.
+    ``max_pixels`` defaults to ``packio.limits.MAX_PIXELS``.
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(str(dst).rstrip("/"))
@@ -191,6 +211,9 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     resize = resize or dec.ResizeSpec()
     if not 1 <= quality <= 100:
         raise PackioError(f"JPEG quality must be 1..100, got {quality}")
+    if check not in CHECKS:
+        raise PackioError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
+    max_pixels = limits.MAX_PIXELS if max_pixels is None else max_pixels
     if spec.needs_fixed_shape and resize.fixed_shape is None:
         raise PackioError(f"the {spec.name} format stores one image shape: give --size HxW, "
                           f"or --short-side N with --crop HxW")
@@ -210,18 +233,18 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         reader = open_reader(src)
         classes = list(reader.manifest.classes)
         tasks: list[Any] = list(range(len(reader)))
-        fn = functools.partial(_prepare_packed, _Prep(payload, resize, quality, max_pixels, reader))
+        fn = functools.partial(_prepare_packed, _Prep(payload, resize, quality, max_pixels, reader, check))
         source_info: dict[str, Any] = {"path": str(src), "packed_format": reader.manifest.format}
     else:
         scan = scan_source(src, csv, columns, strict=strict)
         summary.skipped.update(scan.skipped)
         summary.problems += scan.problems
         classes, tasks = scan.classes, scan.items
-        fn = functools.partial(_prepare_file, _Prep(payload, resize, quality, max_pixels))
+        fn = functools.partial(_prepare_file, _Prep(payload, resize, quality, max_pixels, check=check))
         source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
     image = {"payload": payload, "resize": resize.to_json() if resize.active else None,
              "quality": quality if resize.active else None,
-             "shape": list(resize.fixed_shape) + [3] if resize.fixed_shape else None}
+             "shape": list(resize.fixed_shape) + [3] if resize.fixed_shape else None, "check": check}
     job = _Job(spec.name, WriteOptions(shard_samples=shard_samples, shard_bytes=shard_bytes,
                                        fixed_shape=resize.fixed_shape if payload == "raw" else None),
                classes, image, source_info, strict)

@@ -54,6 +54,8 @@ class _Items:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
                               f"use packio.open_dataset() to open any format")
         self.decode, self.size, self.transform = decode, _hw(resize), transform
+        if self.size is not None:
+            dec.check_pixels(self.size[1], self.size[0])  # ValueError: the resize target is the user's
         self.backend, self.on_error, self.verify = backend, on_error, verify
         self.errors = 0
         self.threads = threads  # decode threads per process (the decoders release the GIL)
@@ -70,8 +72,8 @@ class _Items:
             if isinstance(s.payload, np.ndarray):
                 img = s.payload
             else:
-                try:
-                    img = dec.decode(s.payload, backend=self.backend, min_size=self.size)
+                try:  # verify: libjpeg's "corrupt data" warnings are errors too
+                    img = dec.decode(s.payload, backend=self.backend, min_size=self.size, strict=self.verify)
                 except ValueError as exc:
                     raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
             h0, w0 = (s.height, s.width) if s.height and s.width else img.shape[:2]

@@ -6,6 +6,7 @@ import importlib
 from pathlib import Path
 
 from packio.errors import FormatError
+from packio.limits import read_head
 from packio.formats.base import FormatSpec, Reader
 from packio.manifest import MANIFEST_NAME
 
@@ -51,7 +52,7 @@ def open_reader(path: str | Path) -> Reader:
             return MultiPartReader(p, manifest, spec)
         return spec.reader(p, manifest)
     hdf5 = get_format("hdf5")
-    if p.is_file() and p.read_bytes()[:8] == b"\x89HDF\r\n\x1a\n":
+    if p.is_file() and read_head(p, 8) == b"\x89HDF\r\n\x1a\n":  # the signature, not the whole file
         return hdf5.reader(p, hdf5.reader.read_manifest(p))
     tar = get_format("tar")
     if tar.reader.detect_shards(str(path)):

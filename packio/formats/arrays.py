@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from packio import limits
 from packio.errors import FormatError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored
 from packio.sample import Sample
@@ -76,16 +77,24 @@ class ArrayWriter(Writer):
 
 
 class ArrayReader(Reader):
+    """Reads ``images.npy`` (and ``keys.npy``) through memory maps: a page past the end
+    of a truncated file would kill the process with SIGBUS, so every read first checks
+    (one ``fstat`` each) that the files still hold what their headers claim. Residual
+    risk: a truncation between that check and the copy; and :meth:`images` hands out
+    the map itself."""
+
     cheap_gather = True
+    COUNT_FILE = RecordFile.IDX
 
     def _open(self) -> None:
-        try:
-            images = np.load(self.path / "images.npy", mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise FormatError(f"{self.path}: cannot map images.npy ({exc}); re-pack the dataset") from None
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != self.manifest.count:
-            raise FormatError(f"{self.path}: images.npy is {images.dtype}{list(images.shape)}, but the manifest "
-                              f"says {self.manifest.count} uint8 images; the dataset is damaged")
+        n, shape = self.manifest.count, (self.manifest.image or {}).get("shape")
+        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)
+                and shape[2] == 3 and shape[0] * shape[1] <= limits.MAX_PIXELS):
+            raise FormatError(f"{self.path}: the manifest's image shape {shape!r} is not a valid [H, W, 3] within "
+                              f"packio's pixel limit; the dataset is damaged")
+        images = limits.load_npy(self.path / "images.npy", "|u1", (n, *shape), mmap=True)
+        self._h_guard = limits.MapGuard()
+        self._h_guard.add(self.path / "images.npy", images.offset + images.nbytes if n else 0)
         self._h_images = images
         self._h_flat = np.asarray(images)
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
@@ -95,24 +104,23 @@ class ArrayReader(Reader):
         """labels, boxes, box labels, box offsets, keys: loaded and checked once."""
         if self._h_meta is None:
             n = self.manifest.count
-            try:
-                arrs = [np.load(self.path / f, allow_pickle=False, mmap_mode="r" if f == "keys.npy" else None)
-                        for f in ("labels.npy", "boxes.npy", "box_labels.npy", "box_offsets.npy", "keys.npy")]
-            except (OSError, ValueError) as exc:
-                raise FormatError(f"{self.path}: cannot read the label/box arrays ({exc}); re-pack it") from None
-            labels, boxes, box_labels, off, keys = arrs
-            ok = (labels.shape == (n,) and labels.dtype == np.int64 and boxes.dtype == np.float32
-                  and boxes.ndim == 2 and boxes.shape[1] == 4 and box_labels.shape == (len(boxes),)
-                  and box_labels.dtype == np.int64 and off.shape == (n + 1,) and off.dtype == np.int64
-                  and keys.shape == (n,) and keys.dtype.kind == "U"
-                  and (n == 0 or (off[0] == 0 and off[-1] == len(boxes) and bool(np.all(np.diff(off) >= 0)))))
-            if not ok:
-                raise FormatError(f"{self.path}: label/box arrays do not match the manifest's {n} samples; "
-                                  f"the dataset is damaged, re-pack it")
+            p = self.path
+            labels = limits.load_npy(p / "labels.npy", "<i8", (n,))
+            boxes = limits.load_npy(p / "boxes.npy", "<f4", (None, 4))
+            box_labels = limits.load_npy(p / "box_labels.npy", "<i8", (len(boxes),))
+            off = limits.load_npy(p / "box_offsets.npy", "<i8", (n + 1,))
+            keys = limits.load_npy(p / "keys.npy", "U", (n,), mmap=True)
+            if isinstance(keys, np.memmap):
+                self._h_guard.add(p / "keys.npy", keys.offset + keys.nbytes)
+            if n and not (off[0] == 0 and off[-1] == len(boxes) and bool(np.all(np.diff(off) >= 0))):
+                raise FormatError(f"{self.path}: box offsets do not match the boxes; the dataset is damaged, re-pack it")
             self._h_meta = (labels, boxes, box_labels, off, keys)
         return self._h_meta
 
     def _drop_handles(self) -> None:
+        guard = self.__dict__.pop("_h_guard", None)
+        if guard is not None:
+            guard.close()
         for k in ("_h_images", "_h_flat", "_h_idx", "_h_blob", "_h_meta"):
             self.__dict__.pop(k, None)
 
@@ -120,11 +128,13 @@ class ArrayReader(Reader):
         i = self.check_index(i)
         self._ensure_open()
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
+        self._h_guard.check()
         return decode_stored(rec, np.array(self._h_images[i]), f"#{i}")
 
     def read_many(self, indices: list[int]) -> list[Sample]:
         self._ensure_open()
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
+        self._h_guard.check()
         block = self._h_flat[idx]  # one gather from the memory map
         return [decode_stored(RecordFile.get(self._h_idx, self._h_blob, int(i)), block[j], f"#{i}")
                 for j, i in enumerate(idx)]
@@ -134,7 +144,8 @@ class ArrayReader(Reader):
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
         labels, boxes, box_labels, off, keys = self._meta()
         a, b = off[idx], off[idx + 1]
-        return {"image": self.gather(idx), "label": labels[idx],
+        image = self.gather(idx)  # checks the maps first
+        return {"image": image, "label": labels[idx],
                 "boxes": [boxes[i:j] for i, j in zip(a.tolist(), b.tolist())],
                 "box_labels": [box_labels[i:j] for i, j in zip(a.tolist(), b.tolist())],
                 "key": keys[idx].tolist(), "index": idx}
@@ -143,6 +154,7 @@ class ArrayReader(Reader):
         """uint8[B, H, W, 3] for these indices. From a plain ndarray view of the map:
         several times faster than np.take(out=...) on the np.memmap (tools/bench_levers.py)."""
         self._ensure_open()
+        self._h_guard.check()
         return self._h_flat[idx]
 
     def images(self) -> np.ndarray:

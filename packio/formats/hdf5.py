@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from packio import limits
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
                                  payload_bytes, unpack_record)
@@ -85,64 +87,132 @@ class HDF5Writer(Writer):
 
     def close(self) -> dict[str, Any]:
         self._flush()
-        self._f.close()
+        _close(self._f)
         return {"layout": "see packio/formats/hdf5.py: images_bytes+offsets or images[N,H,W,3]; labels; "
                           "boxes+box_labels+box_offsets; records+record_offsets (msgpack)",
                 "fixed_shape": list(self.options.fixed_shape) if self.options.fixed_shape else None}
 
     def abort(self) -> None:
-        try:
-            self._f.close()
-        except Exception:
-            pass
+        _discard(self._f)
 
     def write_manifest(self, manifest: Manifest) -> None:
         manifest.files = {}  # one file: its own checksum cannot live inside it; samples carry theirs
-        with h5py.File(self.path, "r+") as f:
+        f = h5py.File(self.path, "r+")
+        try:
             f.attrs[ATTR] = manifest.to_json()
+        except BaseException:
+            _discard(f)
+            raise
+        _close(f)
+
+
+def _close(f: h5py.File) -> None:
+    """Close a file being written. Everything is flushed first, where a failure (a full
+    disk) can still be handled: a failed close cannot (see ``_discard``)."""
+    try:
+        f.flush()
+    except BaseException:
+        _discard(f)
+        raise
+    f.close()
+
+
+def _discard(f: h5py.File) -> None:
+    """Close a file whose content is thrown away, without writing anything to disk.
+
+    After a failed write (ENOSPC), HDF5 keeps dirty data it cannot flush: its close
+    fails, leaves the file open, and the library segfaults at interpreter exit (and
+    on any second close). So the file's descriptor is first pointed at an anonymous
+    in-memory file (or /dev/null), where the close's last writes succeed; the caller
+    deletes the path."""
+    try:
+        if f.id.valid:
+            fd = f.id.get_vfd_handle()
+            sink = os.memfd_create("packio-discard") if hasattr(os, "memfd_create") else os.open(os.devnull, os.O_RDWR)
+            os.dup2(sink, fd)
+            os.close(sink)
+    except Exception:  # not the sec2 driver, or no descriptor: close as is
+        pass
+    try:
+        f.close()
+    except Exception:
+        pass
+
+
+def _array(f: h5py.File, name: str, dtype: str, shape: tuple[int | None, ...], size: int) -> h5py.Dataset:
+    """Dataset ``name``, its declared dtype and shape checked (``None`` = any length) and
+    its declared bytes bounded by the file's size, before anything of it is read: the
+    shape is the file's claim, and reading ``[:]`` allocates what it claims."""
+    d = f.get(name)
+    if not isinstance(d, h5py.Dataset):
+        raise FormatError(f"{f.filename}: HDF5 dataset {name!r} is missing; the file is damaged, re-pack it")
+    if (d.dtype != np.dtype(dtype) or len(d.shape) != len(shape)
+            or any(w is not None and w != g for w, g in zip(shape, d.shape)) or d.nbytes > size):
+        raise FormatError(f"{f.filename}: HDF5 dataset {name!r} is {d.dtype}{list(d.shape)} ({d.nbytes} bytes); "
+                          f"expected {dtype}{['N' if w is None else w for w in shape]} within the file's "
+                          f"{size} bytes: the file is damaged, re-pack it")
+    return d
+
+
+def _offsets(f: h5py.File, name: str, n: int, size: int, end: int) -> np.ndarray:
+    """``name``'s n+1 offsets, rising from 0 and ending within ``end`` bytes."""
+    off = _array(f, name, "<i8", (n + 1,), size)[:]
+    if off[0] != 0 or off[-1] > end or bool(np.any(np.diff(off) < 0)):
+        raise FormatError(f"{f.filename}: HDF5 dataset {name!r} holds offsets that do not rise from 0 "
+                          f"within {end} bytes; the file is damaged, re-pack it")
+    return off
 
 
 class HDF5Reader(Reader):
     @classmethod
     def read_manifest(cls, path: Path) -> Manifest:
+        limits.file_size(path)  # a FIFO would block h5py's open
         try:
             with h5py.File(path, "r") as f:
-                text = f.attrs.get(ATTR)
-        except OSError as exc:
+                if ATTR not in f.attrs:
+                    raise FormatError(f"{path}: an HDF5 file without packio's '{ATTR}' attribute; pack it with packio")
+                stored = f.attrs.get_id(ATTR).get_storage_size()
+                if stored > limits.MAX_MANIFEST_BYTES:
+                    raise FormatError(f"{path}: manifest attribute of {stored} bytes, over packio's limit")
+                text = f.attrs[ATTR]
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:
             raise FormatError(f"{path}: cannot open as HDF5 ({exc})") from None
-        if text is None:
-            raise FormatError(f"{path}: an HDF5 file without packio's '{ATTR}' attribute; pack it with packio")
+        if not isinstance(text, (str, bytes)):
+            raise FormatError(f"{path}: the '{ATTR}' attribute is not text; the file is damaged")
         return Manifest.from_json(text, str(path))
 
     def _open(self) -> None:
+        size = limits.file_size(self.path)  # a FIFO would block h5py's open
         try:
             sys.audit("open", str(self.path), "r", 0)  # a C-level open, made visible to audit hooks
             f = h5py.File(self.path, "r")
         except OSError as exc:
             raise FormatError(f"{self.path}: cannot open as HDF5 ({exc})") from None
-        self._h_f = f
+        self._h_f, self._h_size = f, size
         n = self.manifest.count
-        try:
-            self._h_recoff = f["record_offsets"][:]
-            self._h_records = f["records"] if n else None
-            self._h_fixed = "images" in f
-            self._h_images = f["images"] if self._h_fixed else (f["images_bytes"] if n else None)
-            self._h_off = None if self._h_fixed else f["offsets"][:]
-        except KeyError as exc:
-            raise FormatError(f"{self.path}: HDF5 dataset {exc} is missing; the file is damaged") from None
-        count = len(self._h_images) if self._h_fixed else len(self._h_off) - 1
-        if len(self._h_recoff) != n + 1 or count != n:
-            raise FormatError(f"{self.path}: holds {count} images / {len(self._h_recoff) - 1} records but "
-                              f"the manifest says {n}; the file is damaged, re-pack it")
+        self._h_fixed = n > 0 and "images" in f
+        self._h_records = _array(f, "records", "|u1", (None,), size) if n else None
+        self._h_recoff = _offsets(f, "record_offsets", n, size, len(self._h_records) if n else 0)
+        if not n:  # nothing was written but the first offsets
+            self._h_images = self._h_off = None
+        elif self._h_fixed:
+            shape = tuple((self.manifest.image or {}).get("shape") or ())
+            if not (len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape) and shape[2] == 3
+                    and shape[0] * shape[1] <= limits.MAX_PIXELS):
+                raise FormatError(f"{self.path}: the manifest's image shape {list(shape)} is not a valid "
+                                  f"[H, W, 3] within packio's pixel limit; the file is damaged")
+            self._h_images = _array(f, "images", "|u1", (n, *shape), size)
+            self._h_off = None
+        else:
+            self._h_images = _array(f, "images_bytes", "|u1", (None,), size)
+            self._h_off = _offsets(f, "offsets", n, size, len(self._h_images))
 
     def _drop_handles(self) -> None:
         for k in [k for k in self.__dict__ if k.startswith("_h_")]:
             del self.__dict__[k]
 
     def _record(self, i: int) -> Any:
-        a, b = int(self._h_recoff[i]), int(self._h_recoff[i + 1])
-        if not 0 <= a <= b:
-            raise CorruptSampleError(f"#{i}", "record offsets out of order")
+        a, b = int(self._h_recoff[i]), int(self._h_recoff[i + 1])  # checked at open: 0 <= a <= b <= len
         return unpack_record(self._h_records[a:b].tobytes(), f"#{i}")
 
     def read(self, i: int) -> Sample:
@@ -152,9 +222,9 @@ class HDF5Reader(Reader):
         if self._h_fixed:
             payload: Any = self._h_images[i]
         else:
-            a, b = int(self._h_off[i]), int(self._h_off[i + 1])
-            if not 0 <= a <= b:
-                raise CorruptSampleError(f"#{i}", "image offsets out of order")
+            a, b = int(self._h_off[i]), int(self._h_off[i + 1])  # checked at open: 0 <= a <= b <= len
+            if b - a > limits.MAX_PAYLOAD_BYTES:
+                raise CorruptSampleError(f"#{i}", f"payload of {b - a} bytes is over packio's limit")
             payload = self._h_images[a:b].tobytes()
         return decode_stored(rec, payload, f"#{i}")
 
@@ -164,13 +234,14 @@ class HDF5Reader(Reader):
         self._ensure_open()
         if not self._h_fixed:
             return None
-        f = self._h_f
+        f, n = self._h_f, self.manifest.count
         if "_h_meta" not in self.__dict__:
-            self._h_meta = (f["labels"][:], f["boxes"][:], f["box_labels"][:], f["box_offsets"][:])
+            size = self._h_size
+            boxes = _array(f, "boxes", "<f4", (None, 4), size)
+            self._h_meta = (_array(f, "labels", "<i8", (n,), size)[:], boxes[:],
+                            _array(f, "box_labels", "<i8", (len(boxes),), size)[:],
+                            _offsets(f, "box_offsets", n, size, len(boxes)))
         labels, boxes, box_labels, off = self._h_meta
-        n = self.manifest.count
-        if len(labels) != n or len(off) != n + 1 or (n and (off[-1] != len(boxes) or len(boxes) != len(box_labels))):
-            raise FormatError(f"{self.path}: label/box arrays do not match the manifest; the file is damaged")
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
         d = self._h_images
         out = np.empty((len(idx), *d.shape[1:]), np.uint8)

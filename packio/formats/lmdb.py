@@ -3,14 +3,18 @@ little-endian record length, the msgpack record, then the payload bytes."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 
+from packio import limits
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
                                  payload_bytes, unpack_record)
@@ -55,11 +59,22 @@ class LMDBWriter(Writer):
                 # Grow geometrically: no hard-coded map size, no copy of the data.
                 self._map_size = max(self._map_size * 2, self._map_size + 2 * self._pending_bytes)
                 self._env.set_mapsize(self._map_size)
+            except lmdb.Error as exc:
+                raise self._write_error(exc) from None
         self._pending, self._pending_bytes = [], 0
+
+    def _write_error(self, exc: lmdb.Error) -> OSError:
+        """lmdb.Error carries no errno, and LMDB reports a short write on a full disk as
+        EIO: name the full disk when that is what the free space says."""
+        full = shutil.disk_usage(self.path).free < max(self._pending_bytes, 1 << 20)
+        return OSError(errno.ENOSPC if full else errno.EIO, f"LMDB write failed ({exc})")
 
     def close(self) -> dict[str, Any]:
         self._flush()
-        self._env.sync(True)
+        try:
+            self._env.sync(True)
+        except lmdb.Error as exc:
+            raise self._write_error(exc) from None
         self._env.close()
         lock = self.path / "lock.mdb"
         if lock.exists():
@@ -103,22 +118,66 @@ def _release_env(path: Path) -> None:
             del _ENVS[os.path.realpath(path)]
 
 
+def _maps_of(fd: int) -> list[tuple[int, int]]:
+    """(start, length) of this process's memory maps of the file open as ``fd``, from its
+    start (/proc/self/maps; empty where there is none)."""
+    st = os.fstat(fd)
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, _, offset, dev, inode = line.split(None, 5)[:5]
+                major, minor = (int(x, 16) for x in dev.split(":"))
+                if int(inode) == st.st_ino and os.makedev(major, minor) == st.st_dev and int(offset, 16) == 0:
+                    a, b = (int(x, 16) for x in span.split("-"))
+                    out.append((a, b - a))
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 class LMDBReader(Reader):
+    """Reads through LMDB's memory map, where a page past the end of data.mdb would kill
+    the process with SIGBUS. So the file must hold every page its meta page counts
+    (checked with ``fstat`` before each read: this catches a file truncated under an open
+    reader), and a value must lie inside those pages before its bytes are touched (a
+    crafted node may claim any size). Residual risk: a truncation landing between that
+    check and the copy of the value, microseconds later, still faults."""
+
+    COUNT_FILE = "data.mdb"
+    MIN_SAMPLE_BYTES = 16  # a 10-byte key and an 8-byte node header at the least
+
     def _open(self) -> None:
-        if not (self.path / "data.mdb").is_file():
-            raise FormatError(f"{self.path}: no data.mdb inside; this LMDB dataset is incomplete")
+        data = self.path / "data.mdb"
+        limits.file_size(data, lambda m: FormatError(f"{m}; this LMDB dataset is incomplete"))  # never blocks
         try:
             env = _shared_env(self.path)
             self._h_txn = env.begin(buffers=True)
         except lmdb.Error as exc:
             raise FormatError(f"{self.path}: cannot open as LMDB ({exc}); is it a packio LMDB dataset?") from None
-        entries = env.stat()["entries"]
+        info, st = env.info(), env.stat()  # both from the meta pages, which LMDB read with pread
+        need = (info["last_pgno"] + 1) * st["psize"]
+        self._h_guard = limits.MapGuard()
+        fd = self._h_guard.add(data, need)
+        self._h_maps = [(a, min(n, need)) for a, n in _maps_of(fd)]
+        entries = st["entries"]
         if entries != self.manifest.count:
             raise FormatError(f"{self.path}: LMDB holds {entries} entries but the manifest says "
                               f"{self.manifest.count}; the dataset is damaged, re-pack it")
 
+    def _check_inside(self, value: memoryview, i: int) -> None:
+        if not self._h_maps or not len(value):
+            return
+        at = np.frombuffer(value, np.uint8).__array_interface__["data"][0]
+        if not any(a <= at and at + len(value) <= a + n for a, n in self._h_maps):
+            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: the value's {len(value)} bytes lie outside "
+                                              f"the file's pages (a damaged LMDB page); re-pack the dataset")
+
     def _drop_handles(self) -> None:
         txn = self.__dict__.pop("_h_txn", None)
+        guard = self.__dict__.pop("_h_guard", None)
+        if guard is not None:
+            guard.close()
         if txn is not None and self._pid == os.getpid():
             txn.abort()
             _release_env(self.path)
@@ -126,9 +185,11 @@ class LMDBReader(Reader):
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
+        self._h_guard.check()
         value = self._h_txn.get(_key(i))
         if value is None:
             raise CorruptSampleError(f"#{i}", "missing from the LMDB file")
+        self._check_inside(value, i)
         if len(value) < 4:
             raise CorruptSampleError(f"#{i}", "value too short")
         (n,) = _LEN.unpack_from(value)
