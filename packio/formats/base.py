@@ -238,7 +238,7 @@ class RecordBlob:
     """``records.bin`` read by ``pread`` (a descriptor per process; readers drop it on fork)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        self.path, self.fd = path, -1
         self.fd = limits.open_regular(path)
         self.size = os.fstat(self.fd).st_size
 

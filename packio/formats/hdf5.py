@@ -122,13 +122,13 @@ def _discard(f: h5py.File) -> None:
 
     After a failed write (ENOSPC), HDF5 keeps dirty data it cannot flush: its close
     fails, leaves the file open, and the library segfaults at interpreter exit (and
-    on any second close). So the file's descriptor is first pointed at an anonymous
-    in-memory file (or /dev/null), where the close's last writes succeed; the caller
-    deletes the path."""
+    on any second close). So the file's descriptor is first pointed at /dev/null,
+    where the close's last writes succeed (whatever the disk or RLIMIT_FSIZE says);
+    the caller deletes the path."""
     try:
         if f.id.valid:
             fd = f.id.get_vfd_handle()
-            sink = os.memfd_create("packio-discard") if hasattr(os, "memfd_create") else os.open(os.devnull, os.O_RDWR)
+            sink = os.open(os.devnull, os.O_RDWR)
             os.dup2(sink, fd)
             os.close(sink)
     except Exception:  # not the sec2 driver, or no descriptor: close as is

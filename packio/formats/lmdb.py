@@ -3,6 +3,7 @@ little-endian record length, the msgpack record, then the payload bytes."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
@@ -136,13 +137,31 @@ def _maps_of(fd: int) -> list[tuple[int, int]]:
     return out
 
 
+_NODE = struct.Struct("<HHHH")  # MDB_node: mn_lo, mn_hi (data size), mn_flags, mn_ksize; then the key
+_F_BIGDATA = 0x01  # the data sits on overflow pages: the node holds their first page number
+_PAGE_HEADER = 16
+
+
+def _address(buf: memoryview) -> int:
+    return np.frombuffer(buf, np.uint8).__array_interface__["data"][0]
+
+
 class LMDBReader(Reader):
-    """Reads through LMDB's memory map, where a page past the end of data.mdb would kill
-    the process with SIGBUS. So the file must hold every page its meta page counts
-    (checked with ``fstat`` before each read: this catches a file truncated under an open
-    reader), and a value must lie inside those pages before its bytes are touched (a
-    crafted node may claim any size). Residual risk: a truncation landing between that
-    check and the copy of the value, microseconds later, still faults."""
+    """Reads through LMDB's memory map, where a page past the end of data.mdb kills the
+    process with SIGBUS. So:
+
+    - the file must hold every page its meta page counts (``fstat`` before each read,
+      which also catches a file truncated under an open reader);
+    - a value must lie inside those pages before anything touches it: a crafted node
+      may claim any size, and py-lmdb touches every page of a value as it returns it.
+      The cursor is placed on the key (LMDB reads the node's header and key, nothing
+      of the value); the header, 8 bytes before the key, gives the value's place and
+      size, which are checked against the file before the value is asked for.
+
+    Residual risk (documented in the README): LMDB itself trusts offsets inside a
+    page, so a crafted node pointer in one of the file's last pages can still make
+    it read past the end; and a truncation landing between the check and the copy.
+    Where /proc/self/maps is absent, only the file-size check runs."""
 
     COUNT_FILE = "data.mdb"
     MIN_SAMPLE_BYTES = 16  # a 10-byte key and an 8-byte node header at the least
@@ -156,24 +175,43 @@ class LMDBReader(Reader):
         except lmdb.Error as exc:
             raise FormatError(f"{self.path}: cannot open as LMDB ({exc}); is it a packio LMDB dataset?") from None
         info, st = env.info(), env.stat()  # both from the meta pages, which LMDB read with pread
-        need = (info["last_pgno"] + 1) * st["psize"]
+        self._h_need, self._h_psize = (info["last_pgno"] + 1) * st["psize"], st["psize"]
         self._h_guard = limits.MapGuard()
-        fd = self._h_guard.add(data, need)
-        self._h_maps = [(a, min(n, need)) for a, n in _maps_of(fd)]
+        fd = self._h_guard.add(data, self._h_need)
+        self._h_maps = _maps_of(fd)
+        self._h_cursor = self._h_txn.cursor()
         entries = st["entries"]
         if entries != self.manifest.count:
             raise FormatError(f"{self.path}: LMDB holds {entries} entries but the manifest says "
                               f"{self.manifest.count}; the dataset is damaged, re-pack it")
 
-    def _check_inside(self, value: memoryview, i: int) -> None:
-        if not self._h_maps or not len(value):
-            return
-        at = np.frombuffer(value, np.uint8).__array_interface__["data"][0]
-        if not any(a <= at and at + len(value) <= a + n for a, n in self._h_maps):
-            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: the value's {len(value)} bytes lie outside "
-                                              f"the file's pages (a damaged LMDB page); re-pack the dataset")
+    def _get(self, i: int) -> memoryview | None:
+        """Sample i's value, its place checked against the file before it is touched."""
+        self._h_guard.check()
+        if not self._h_maps:
+            return self._h_txn.get(_key(i))
+        cur = self._h_cursor
+        if not cur.set_key(_key(i)):
+            return None
+        key = cur.key()
+        at = _address(key)
+        start = next((a for a, n in self._h_maps if a <= at < a + n), None)
+        lo, hi, flags, ksize = _NODE.unpack(ctypes.string_at(at - _NODE.size, _NODE.size))  # LMDB read these
+        size = lo | hi << 16
+        if start is None or ksize != len(key) or flags & ~_F_BIGDATA:
+            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: a damaged LMDB node; re-pack the dataset")
+        if flags & _F_BIGDATA:
+            (pgno,) = struct.unpack("<Q", ctypes.string_at(at + ksize, 8))  # LMDB copied these too
+            first = start + pgno * self._h_psize + _PAGE_HEADER
+        else:
+            first = at + ksize
+        if not start <= first <= first + size <= start + self._h_need:
+            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: the value's {size} bytes lie outside the "
+                                              f"file's pages (a damaged LMDB node); re-pack the dataset")
+        return cur.value()
 
     def _drop_handles(self) -> None:
+        self.__dict__.pop("_h_cursor", None)
         txn = self.__dict__.pop("_h_txn", None)
         guard = self.__dict__.pop("_h_guard", None)
         if guard is not None:
@@ -185,11 +223,9 @@ class LMDBReader(Reader):
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
-        self._h_guard.check()
-        value = self._h_txn.get(_key(i))
+        value = self._get(i)
         if value is None:
             raise CorruptSampleError(f"#{i}", "missing from the LMDB file")
-        self._check_inside(value, i)
         if len(value) < 4:
             raise CorruptSampleError(f"#{i}", "value too short")
         (n,) = _LEN.unpack_from(value)
