@@ -167,10 +167,10 @@ def load_npy(path: Path, dtype: str, shape: tuple[int | None, ...], *, mmap: boo
                         f"the file is damaged or truncated, re-pack the dataset")
         if mmap and nbytes:
             return np.memmap(f, dtype=got, mode="r", offset=start, shape=got_shape)
-        data = f.read(nbytes)
-        if len(data) != nbytes:
+        out = np.empty(got_shape, got)  # writable (torch.from_numpy warns on read-only arrays)
+        if nbytes and f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != nbytes:
             raise error(f"{path}: truncated while being read")
-        return np.frombuffer(data, got).reshape(got_shape)
+        return out
 
 
 class MapGuard:

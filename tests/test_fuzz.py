@@ -12,16 +12,13 @@ names the case, which replays deterministically from its seed.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import packio
-from conftest import jpeg, photo
+from conftest import jpeg, photo, run_child_cases
 
 AS_LIMIT = 3 << 30
 PER_FILE = {"flip": 5, "truncate": 3, "int": 4, "field": 4}  # mutations of each kind, per file
@@ -215,20 +212,8 @@ def test_fuzz_every_file_of_every_format(pristine, tmp_path):
     (tmp_path / "scratch").mkdir()
     spec.write_text(json.dumps({"datasets": {k: str(v) for k, v in pristine.items()}, "cases": cases,
                                 "scratch": str(tmp_path / "scratch")}))
-    try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(spec), str(AS_LIMIT)], capture_output=True,
-                              text=True, timeout=240)
-        out, err, rc = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out, err, rc = (exc.stdout or b"").decode(), (exc.stderr or b"").decode(), "timeout"
-    results, started = {}, None
-    for line in out.splitlines():
-        if line.startswith("START "):
-            started = line[6:]
-        elif line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            results[r["name"]] = r
-    assert len(results) == len(cases), f"child rc={rc} during case {started!r}: {err[-3000:]}"
+    results, started, how = run_child_cases(CHILD, [str(spec), str(AS_LIMIT)], timeout=240)
+    assert len(results) == len(cases), f"stopped during case {started!r}: {how}"
     bad = [r for r in results.values() if r["outcome"].startswith("OTHER") or r["seconds"] > 10
            or (r["outcome"] == "different" and r["verify_ok"])]
     assert not bad, "\n".join(json.dumps(r) for r in bad[:20])

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import packio
-from conftest import SHARED, jpeg, photo
+from conftest import SHARED, jpeg, photo, run_child_cases
 from packio import limits
 
 AS_LIMIT = 3 << 30  # the child's address space: far below any of the blow-ups
@@ -94,25 +94,12 @@ def run_cases(cases: list[dict], tmp: Path, timeout: float = 300) -> dict[str, d
     """Run the cases in one limited child; a crash or hang leaves the rest unreported."""
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
-    try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(spec), str(AS_LIMIT)], capture_output=True,
-                              text=True, timeout=timeout, cwd=Path(__file__).parent)
-        out, err, rc = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out, err, rc = (exc.stdout or b"").decode(), (exc.stderr or b"").decode(), "timeout"
-    results = {}
-    started = None
-    for line in out.splitlines():
-        if line.startswith("START "):
-            started = line[6:]
-        elif line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            results[r["name"]] = r
+    results, started, how = run_child_cases(CHILD, [str(spec), str(AS_LIMIT)], timeout)
     for case in cases:
         if case["name"] not in results:
             crashed = started == case["name"]
             results[case["name"]] = {"name": case["name"], "error": "CHILD " + ("crashed" if crashed else "never ran"),
-                                     "msg": f"child rc={rc}; stderr tail: {err[-2000:]}", "packio": False}
+                                     "msg": how, "packio": False}
     return results
 
 
@@ -477,25 +464,14 @@ def test_pack_time_blowups_are_skipped_and_counted(world):
 # ---------------------------------------------------------------- in-process cases (cheap, no blow-up risk)
 
 
-def _corrupt_lmdb_record(path: Path, i: int, rec: dict) -> None:
-    import lmdb
-    import msgpack
-
-    env = lmdb.open(str(path), subdir=True)
-    key = b"%010d" % i
-    with env.begin(write=True) as txn:
-        value = txn.get(key)
-        n = int.from_bytes(value[:4], "little")
-        blob = msgpack.packb(rec, use_bin_type=True)
-        txn.put(key, len(blob).to_bytes(4, "little") + blob + value[4 + n:])
-    env.close()
-
-
 @pytest.mark.parametrize("field,value,why", [
     ("label", 2**63, "label"), ("label", -7, "label"), ("width", -5, "size"), ("height", 2**40, "size"),
     ("label", "3", "'label' is not an integer"), ("boxes", [[0, 0, 1e39, 1]], "float32"),
     ("box_labels", [2**63], "box_labels"), ("boxes", "nope", "lists")])
 def test_hostile_record_values(gen_folder, tmp_path, field, value, why):
+    import msgpack
+    from test_integrity import _corrupt_record
+
     src, csv = gen_folder
     path = Path(packio.convert(src, tmp_path / "r.lmdb", csv=csv, progress=False).output)
     ds = packio.open_dataset(path, decode=False)
@@ -506,7 +482,7 @@ def test_hostile_record_values(gen_folder, tmp_path, field, value, why):
         rec["boxes"] = [[0, 0, 1, 1]]
     if field == "boxes" and isinstance(value, list):
         rec["box_labels"] = [0] * len(value)
-    _corrupt_lmdb_record(path, 2, rec)
+    _corrupt_record(path, 2, msgpack.packb(rec, use_bin_type=True))
     with pytest.raises(packio.CorruptSampleError, match=why):
         packio.open_dataset(path)[2]
     skipping = packio.open_dataset(path, on_error="skip")
@@ -645,3 +621,12 @@ def test_disk_full_is_a_clean_error_with_nothing_left(tmp_path, suffix, how):
     finally:
         if how == "tmpfs":
             subprocess.run(["umount", str(out)], check=False)
+
+
+def test_check_decode_from_the_command_line(damaged_folder, tmp_path, capsys):
+    from packio.cli import main
+
+    assert main(["convert", str(damaged_folder), str(tmp_path / "o.lmdb"), "--check", "decode", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert "packed 1 samples" in out.out and "2  corrupt image data" in out.out, out
+    assert packio.open_dataset(tmp_path / "o.lmdb").reader.manifest.image["check"] == "decode"

@@ -27,6 +27,18 @@ def _cpu_decode(blob: bytes | memoryview | torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(cpu.decode(data))).permute(2, 0, 1)
 
 
+def _for_nvjpeg(t: torch.Tensor) -> bool:
+    """A JPEG whose header is within packio's pixel limit (a bomb would allocate on the GPU;
+    the CPU path refuses it with a clear error)."""
+    if cpu.sniff(t[:12].numpy().tobytes()) != "jpeg":
+        return False
+    try:
+        cpu.check_pixels(*cpu.image_size(t.numpy(), "jpeg"))
+    except ValueError:
+        return False
+    return True
+
+
 def decode_batch(blobs: Sequence[bytes | memoryview | torch.Tensor], device: str | torch.device | None = None,
                  ) -> list[torch.Tensor]:
     """Decode encoded images to ``uint8[3, H, W]`` tensors on ``device``.
@@ -43,7 +55,7 @@ def decode_batch(blobs: Sequence[bytes | memoryview | torch.Tensor], device: str
     tensors = [b if isinstance(b, torch.Tensor) else torch.frombuffer(bytearray(b), dtype=torch.uint8)
                for b in blobs]
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    jpeg_idx = [i for i, t in enumerate(tensors) if cpu.sniff(t[:12].numpy().tobytes()) == "jpeg"]
+    jpeg_idx = [i for i, t in enumerate(tensors) if _for_nvjpeg(t)]
     mode = tvio.ImageReadMode.RGB
     if jpeg_idx:
         try:

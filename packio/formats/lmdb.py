@@ -172,9 +172,9 @@ class LMDBReader(Reader):
         try:
             env = _shared_env(self.path)
             self._h_txn = env.begin(buffers=True)
+            info, st = env.info(), env.stat()  # both from the meta pages, which LMDB read with pread
         except lmdb.Error as exc:
             raise FormatError(f"{self.path}: cannot open as LMDB ({exc}); is it a packio LMDB dataset?") from None
-        info, st = env.info(), env.stat()  # both from the meta pages, which LMDB read with pread
         self._h_need, self._h_psize = (info["last_pgno"] + 1) * st["psize"], st["psize"]
         self._h_guard = limits.MapGuard()
         fd = self._h_guard.add(data, self._h_need)
@@ -189,10 +189,16 @@ class LMDBReader(Reader):
         """Sample i's value, its place checked against the file before it is touched."""
         self._h_guard.check()
         if not self._h_maps:
-            return self._h_txn.get(_key(i))
+            try:
+                return self._h_txn.get(_key(i))
+            except lmdb.Error as exc:
+                raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: {exc}; re-pack the dataset") from None
         cur = self._h_cursor
-        if not cur.set_key(_key(i)):
-            return None
+        try:
+            if not cur.set_key(_key(i)):
+                return None
+        except lmdb.Error as exc:  # a damaged page on the way to the key
+            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: {exc}; re-pack the dataset") from None
         key = cur.key()
         at = _address(key)
         start = next((a for a, n in self._h_maps if a <= at < a + n), None)
