@@ -595,18 +595,19 @@ def _tmpfs(path: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
-@pytest.mark.parametrize("how", ["tmpfs", "fsize"])
+@pytest.mark.parametrize("how", ["tmpfs-3m", "tmpfs-20m", "fsize"])
 @pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
 def test_disk_full_is_a_clean_error_with_nothing_left(tmp_path, suffix, how):
-    src = SHARED / "hymenoptera" / "hymenoptera_data" / "train"
+    """20 MB: HDF5 fails while releasing a dataset (it segfaulted at exit); 3 MB: in the first writes."""
+    src = SHARED / "hymenoptera"
     if not src.is_dir():
         src = tmp_path / "src"
         src.mkdir()
-        for k in range(60):
-            (src / f"{k}.jpg").write_bytes(jpeg(300, 400, k, quality=97))
+        for k in range(150):
+            (src / f"{k}.jpg").write_bytes(jpeg(400, 500, k, quality=97))
     out = tmp_path / "out"
-    if how == "tmpfs":
-        if not _tmpfs(out, "3m"):
+    if how.startswith("tmpfs"):
+        if not _tmpfs(out, how.split("-")[1]):
             pytest.skip("cannot mount a small tmpfs here (needs root)")
     else:
         out.mkdir()
@@ -615,18 +616,9 @@ def test_disk_full_is_a_clean_error_with_nothing_left(tmp_path, suffix, how):
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])  # not 139 (segfault), not 1 (traceback)
         assert "Traceback" not in proc.stderr and "partial output was removed" in proc.stderr, proc.stderr[-2000:]
-        if how == "tmpfs":
+        if how.startswith("tmpfs"):
             assert "free some disk space" in proc.stderr, proc.stderr[-2000:]
         assert list(out.iterdir()) == []  # no temporaries left
     finally:
-        if how == "tmpfs":
+        if how.startswith("tmpfs"):
             subprocess.run(["umount", str(out)], check=False)
-
-
-def test_check_decode_from_the_command_line(damaged_folder, tmp_path, capsys):
-    from packio.cli import main
-
-    assert main(["convert", str(damaged_folder), str(tmp_path / "o.lmdb"), "--check", "decode", "--quiet"]) == 0
-    out = capsys.readouterr()
-    assert "packed 1 samples" in out.out and "2  corrupt image data" in out.out, out
-    assert packio.open_dataset(tmp_path / "o.lmdb").reader.manifest.image["check"] == "decode"

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,17 @@ ATTR = "packio_manifest"
 _FLUSH = 256
 
 
-def _append(f: h5py.File, name: str, data: np.ndarray, chunks: tuple[int, ...]) -> None:
-    if name not in f:
-        f.create_dataset(name, shape=(0, *data.shape[1:]), maxshape=(None, *data.shape[1:]),
-                         dtype=data.dtype, chunks=chunks)
-    d = f[name]
+def _append(f: h5py.File, open_sets: dict[str, h5py.Dataset], name: str, data: np.ndarray,
+            chunks: tuple[int, ...]) -> None:
+    """Append rows to dataset ``name``, kept open in ``open_sets`` for the writer's life:
+    releasing a dataset flushes its chunk cache, and a write failing there (a full disk)
+    is swallowed by h5py and leaves HDF5 in a state that segfaults later."""
+    if name not in open_sets:
+        if name not in f:
+            f.create_dataset(name, shape=(0, *data.shape[1:]), maxshape=(None, *data.shape[1:]),
+                             dtype=data.dtype, chunks=chunks)
+        open_sets[name] = f[name]
+    d = open_sets[name]
     n = d.shape[0]
     d.resize(n + len(data), axis=0)
     d[n:] = data
@@ -44,6 +52,7 @@ class HDF5Writer(Writer):
     def __init__(self, path: Path, options: WriteOptions) -> None:
         super().__init__(path, options)
         self._f = h5py.File(path, "w", libver="latest")
+        self._ds: dict[str, h5py.Dataset] = {}
         self._buf: list[Sample] = []
         self._offset = 0
         self._box_offset = 0
@@ -61,29 +70,36 @@ class HDF5Writer(Writer):
     def _flush(self) -> None:
         if not self._buf:
             return
-        f, buf = self._f, self._buf
+        try:
+            self._write(self._f, self._buf)
+            self._f.flush()  # a full disk shows here, as an exception, not in a later release
+        except BaseException as exc:
+            _sink(self._f)  # before the exception releases the dataset ids it holds (see _sink)
+            raise _write_error(exc) from None
+        self._buf = []
+
+    def _write(self, f: h5py.File, buf: list[Sample]) -> None:
         fixed = self.options.fixed_shape
         if fixed is not None:
-            _append(f, "images", np.stack([s.payload for s in buf]), (1, *fixed, 3))
+            _append(f, self._ds, "images", np.stack([s.payload for s in buf]), (1, *fixed, 3))
         else:
             blobs = [payload_bytes(s) for s in buf]
-            _append(f, "images_bytes", np.frombuffer(b"".join(blobs), np.uint8), (1 << 16,))
+            _append(f, self._ds, "images_bytes", np.frombuffer(b"".join(blobs), np.uint8), (1 << 16,))
             ends = self._offset + np.cumsum([len(b) for b in blobs])
             self._offset = int(ends[-1])
-            _append(f, "offsets", ends.astype(np.int64), (4096,))
-        _append(f, "labels", np.array([s.label for s in buf], np.int64), (4096,))
+            _append(f, self._ds, "offsets", ends.astype(np.int64), (4096,))
+        _append(f, self._ds, "labels", np.array([s.label for s in buf], np.int64), (4096,))
         boxes = np.concatenate([s.boxes.reshape(-1, 4) for s in buf]).astype(np.float32)
-        _append(f, "boxes", boxes, (4096, 4))
-        _append(f, "box_labels", np.concatenate([s.box_labels for s in buf]).astype(np.int64), (4096,))
+        _append(f, self._ds, "boxes", boxes, (4096, 4))
+        _append(f, self._ds, "box_labels", np.concatenate([s.box_labels for s in buf]).astype(np.int64), (4096,))
         ends = self._box_offset + np.cumsum([len(s.boxes) for s in buf])
         self._box_offset = int(ends[-1])
-        _append(f, "box_offsets", ends.astype(np.int64), (4096,))
+        _append(f, self._ds, "box_offsets", ends.astype(np.int64), (4096,))
         recs = [pack_record(s.record()) for s in buf]
-        _append(f, "records", np.frombuffer(b"".join(recs), np.uint8), (1 << 16,))
+        _append(f, self._ds, "records", np.frombuffer(b"".join(recs), np.uint8), (1 << 16,))
         ends = self._rec_offset + np.cumsum([len(r) for r in recs])
         self._rec_offset = int(ends[-1])
-        _append(f, "record_offsets", ends.astype(np.int64), (4096,))
-        self._buf = []
+        _append(f, self._ds, "record_offsets", ends.astype(np.int64), (4096,))
 
     def close(self) -> dict[str, Any]:
         self._flush()
@@ -100,42 +116,55 @@ class HDF5Writer(Writer):
         f = h5py.File(self.path, "r+")
         try:
             f.attrs[ATTR] = manifest.to_json()
-        except BaseException:
+        except BaseException as exc:
             _discard(f)
-            raise
+            raise _write_error(exc) from None
         _close(f)
 
 
 def _close(f: h5py.File) -> None:
     """Close a file being written. Everything is flushed first, where a failure (a full
-    disk) can still be handled: a failed close cannot (see ``_discard``)."""
+    disk) can still be handled: a failed close cannot (see ``_sink``)."""
     try:
         f.flush()
-    except BaseException:
+    except BaseException as exc:
         _discard(f)
-        raise
+        raise _write_error(exc) from None
     f.close()
 
 
-def _discard(f: h5py.File) -> None:
-    """Close a file whose content is thrown away, without writing anything to disk.
+def _write_error(exc: BaseException) -> BaseException:
+    """h5py reports a failed write as OSError or RuntimeError, with HDF5's whole error
+    stack as the message: an OSError with the errno and its short text instead."""
+    if not isinstance(exc, (OSError, RuntimeError)):
+        return exc
+    found = re.search(r"errno = (\d+)", str(exc))
+    code = int(found.group(1)) if found else getattr(exc, "errno", None) or errno.EIO
+    return OSError(code, f"HDF5 write failed: {os.strerror(code)}")
 
-    After a failed write (ENOSPC), HDF5 keeps dirty data it cannot flush: its close
-    fails, leaves the file open, and the library segfaults at interpreter exit (and
-    on any second close). So the file's descriptor is first pointed at /dev/null,
-    where the close's last writes succeed (whatever the disk or RLIMIT_FSIZE says);
-    the caller deletes the path."""
-    try:
-        if f.id.valid:
-            fd = f.id.get_vfd_handle()
-            sink = os.open(os.devnull, os.O_RDWR)
-            os.dup2(sink, fd)
-            os.close(sink)
-    except Exception:  # not the sec2 driver, or no descriptor: close as is
-        pass
+
+def _discard(f: h5py.File) -> None:
+    """Close a file whose content is thrown away, without writing anything to disk."""
+    _sink(f)
     try:
         f.close()
     except Exception:
+        pass
+
+
+def _sink(f: h5py.File) -> None:
+    """Point the file's descriptor at /dev/null, where every later write succeeds.
+
+    After a failed write (ENOSPC, EFBIG), HDF5 holds dirty data it cannot flush; each
+    release of an object id then tries again and fails, which leaves the library in a
+    state that segfaults on close or at interpreter exit. Called as soon as a write
+    fails, before any id is released; the caller deletes the file."""
+    try:
+        if f.id.valid:
+            sink = os.open(os.devnull, os.O_RDWR)
+            os.dup2(sink, f.id.get_vfd_handle())
+            os.close(sink)
+    except Exception:  # not the sec2 driver, or no descriptor: nothing to redirect
         pass
 
 

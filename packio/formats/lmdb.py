@@ -119,18 +119,23 @@ def _release_env(path: Path) -> None:
             del _ENVS[os.path.realpath(path)]
 
 
-def _maps_of(fd: int) -> list[tuple[int, int]]:
+def _maps_of(fd: int, path: Path) -> list[tuple[int, int]]:
     """(start, length) of this process's memory maps of the file open as ``fd``, from its
-    start (/proc/self/maps; empty where there is none)."""
+    start (/proc/self/maps; empty where there is none). Matched by device and inode, or
+    by path (overlayfs shows the underlying file's device there)."""
     st = os.fstat(fd)
+    real = os.path.realpath(path)
     out = []
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                span, _, offset, dev, inode = line.split(None, 5)[:5]
-                major, minor = (int(x, 16) for x in dev.split(":"))
-                if int(inode) == st.st_ino and os.makedev(major, minor) == st.st_dev and int(offset, 16) == 0:
-                    a, b = (int(x, 16) for x in span.split("-"))
+                fields = line.split(None, 5)
+                if len(fields) < 6 or int(fields[2], 16) != 0:
+                    continue
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                if ((int(fields[4]) == st.st_ino and os.makedev(major, minor) == st.st_dev)
+                        or fields[5].rstrip("\n") == real):
+                    a, b = (int(x, 16) for x in fields[0].split("-"))
                     out.append((a, b - a))
     except (OSError, ValueError):
         pass
@@ -178,7 +183,7 @@ class LMDBReader(Reader):
         self._h_need, self._h_psize = (info["last_pgno"] + 1) * st["psize"], st["psize"]
         self._h_guard = limits.MapGuard()
         fd = self._h_guard.add(data, self._h_need)
-        self._h_maps = _maps_of(fd)
+        self._h_maps = _maps_of(fd, data)
         self._h_cursor = self._h_txn.cursor()
         entries = st["entries"]
         if entries != self.manifest.count:
