@@ -322,6 +322,20 @@ def world(tmp_path_factory) -> dict:
     os.close(fd)
     os.close(deep)
     case("pack_nested_1100", "convert", d, dst=str(base / "nested.lmdb"))
+    d = base / "long"
+    d.mkdir()
+    deep = os.open(d, os.O_RDONLY)
+    for _ in range(20):  # a path of 5,000 bytes: past PATH_MAX, so the folder cannot be listed by path
+        os.mkdir("d" * 250, dir_fd=deep)
+        nxt = os.open("d" * 250, os.O_RDONLY, dir_fd=deep)
+        os.close(deep)
+        deep = nxt
+    fd = os.open("x.jpg", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=deep)
+    os.write(fd, jpeg(20, 20, 3))
+    os.close(fd)
+    os.close(deep)
+    (d / "ok.jpg").write_bytes(jpeg(20, 20, 4))
+    case("pack_path_over_4096", "convert", d, dst=str(base / "long.lmdb"))
     d = base / "csv_src"
     d.mkdir()
     (d / "a.jpg").write_bytes(jpeg(40, 40, 1))
@@ -331,7 +345,7 @@ def world(tmp_path_factory) -> dict:
     results = run_cases(cases, base)
     yield {"results": results, "base": base}
     # 1,100 nested folders: pytest's recursive cleanup would hit Python's recursion limit
-    subprocess.run(["rm", "-rf", str(base / "nested")], check=False)
+    subprocess.run(["rm", "-rf", str(base / "nested"), str(base / "long")], check=False)
 
 
 def _npy_shape(path: Path, old: str, new: str) -> None:
@@ -457,6 +471,9 @@ def test_pack_time_blowups_are_skipped_and_counted(world):
     got = r["pack_nested_1100"]
     bounded(got)
     assert got["value"] == {"packed": 1, "skipped": {}}, got
+    got = r["pack_path_over_4096"]  # counted, not silently dropped
+    bounded(got)
+    assert got["value"] == {"packed": 1, "skipped": {"unreadable folder": 1}}, got
     ds = packio.open_dataset(world["base"] / "nested.lmdb")
     assert ds[0]["key"] == "d/" * 1100 + "x.jpg"
 
@@ -492,13 +509,18 @@ def test_hostile_record_values(gen_folder, tmp_path, field, value, why):
 
 
 def test_writer_keeps_the_readers_record_limits(tmp_path, monkeypatch):
+    from packio.sample import unstorable
+
     root = tmp_path / "imgs"
     root.mkdir()
     (root / "a.jpg").write_bytes(jpeg(40, 40, 1))
     (root / "b.jpg").write_bytes(jpeg(40, 40, 2))
     rows = "".join(f"a.jpg,c,1,1,{k + 2},{k + 2}\n" for k in range(5))
     (tmp_path / "b.csv").write_text("filename,class,xmin,ymin,xmax,ymax\n" + rows + "b.jpg,c,1,1,2,2\n")
-    monkeypatch.setattr(limits, "MAX_BOXES", 4)  # over 2**20 boxes in real life: the same check
+    many = packio.Sample(key="k", payload=jpeg(8, 8, 1), encoding="jpeg", boxes=np.zeros((2**20 + 1, 4), np.float32),
+                         box_labels=np.zeros(2**20 + 1, np.int64))
+    assert unstorable(many)[0] == "too many boxes"
+    monkeypatch.setattr(limits, "MAX_BOXES", 4)  # the same check end to end, on a small CSV
     for suffix in (".lmdb", ".tar", ".h5"):
         s = packio.convert(root, tmp_path / f"o{suffix}", csv=tmp_path / "b.csv", progress=False)
         assert s.packed == 1 and dict(s.skipped) == {"too many boxes": 1}, s.text()

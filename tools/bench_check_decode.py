@@ -51,11 +51,16 @@ def pack_seconds(src: Path, dst: Path, check: str, resize: packio.ResizeSpec | N
     return time.perf_counter() - t
 
 
-def per_image(fn, blobs: list[bytes]) -> float:
-    t = time.perf_counter()
-    for b in blobs:
-        fn(b)
-    return (time.perf_counter() - t) / len(blobs)
+def per_image(fns: dict, blobs: list[bytes], rounds: int) -> dict[str, float]:
+    """Median seconds per image of each function, interleaved over rounds."""
+    got: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for b in blobs:
+                fn(b)
+            got[name].append((time.perf_counter() - t) / len(blobs))
+    return {name: statistics.median(v) for name, v in got.items()}
 
 
 def main() -> int:
@@ -76,8 +81,8 @@ def main() -> int:
         for name, src in sources.items():
             blobs = [p.read_bytes() for p in sorted(src.rglob("*")) if p.is_file() and p.suffix.lower() in
                      (".jpg", ".jpeg")]
-            full = per_image(lambda b: dec.decode(b), blobs)
-            eighth = per_image(dec.check_decode, blobs)
+            t = per_image({"full": lambda b: dec.decode(b), "eighth": dec.check_decode}, blobs, 2 * a.rounds + 1)
+            full, eighth = t["full"], t["eighth"]
             print(f"{name}: {len(blobs)} JPEGs, {sum(map(len, blobs)) / len(blobs) / 1e3:.0f} KB mean")
             print(f"  strict decode at 1/8 (the check) {eighth * 1e3:.2f} ms/img; full decode {full * 1e3:.2f} "
                   f"ms/img; ratio {eighth / full:.2f}")
