@@ -644,3 +644,15 @@ def test_disk_full_is_a_clean_error_with_nothing_left(tmp_path, suffix, how):
     finally:
         if how.startswith("tmpfs"):
             subprocess.run(["umount", str(out)], check=False)
+
+
+def test_hdf5_cut_under_an_open_reader_is_an_error_not_zeros(gen_folder, tmp_path):
+    """HDF5 reads past the end of its file as zeros; the reader checks the size instead."""
+    src, _ = gen_folder
+    path = Path(packio.convert(src, tmp_path / "o.h5", progress=False).output)
+    ds = packio.open_dataset(path, decode=False)
+    ds[0]
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 3)
+    with pytest.raises(packio.FormatError, match="truncated while open"):
+        ds.sample(len(ds) - 1)

@@ -240,6 +240,14 @@ class HDF5Reader(Reader):
         for k in [k for k in self.__dict__ if k.startswith("_h_")]:
             del self.__dict__[k]
 
+    def _check_size(self) -> None:
+        """HDF5 reads past the end of its file as zeros: a file cut under an open reader
+        would hand out zeros silently (one ``fstat`` per read catches it)."""
+        size = os.fstat(self._h_f.id.get_vfd_handle()).st_size
+        if size < self._h_size:
+            raise FormatError(f"{self.path}: {size} bytes, but it held {self._h_size} when opened: the file was "
+                              f"truncated while open; restore or re-pack it")
+
     def _record(self, i: int) -> Any:
         a, b = int(self._h_recoff[i]), int(self._h_recoff[i + 1])  # checked at open: 0 <= a <= b <= len
         return unpack_record(self._h_records[a:b].tobytes(), f"#{i}")
@@ -247,6 +255,7 @@ class HDF5Reader(Reader):
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
+        self._check_size()
         rec = self._record(i)
         if self._h_fixed:
             payload: Any = self._h_images[i]
@@ -264,6 +273,7 @@ class HDF5Reader(Reader):
         if not self._h_fixed:
             return None
         f, n = self._h_f, self.manifest.count
+        self._check_size()
         if "_h_meta" not in self.__dict__:
             size = self._h_size
             boxes = _array(f, "boxes", "<f4", (None, 4), size)
@@ -287,6 +297,7 @@ class HDF5Reader(Reader):
         if not self._h_fixed or len(indices) < 2:
             return [self.read(i) for i in indices]
         idx = np.asarray([self.check_index(i) for i in indices])
+        self._check_size()
         uniq, inv = np.unique(idx, return_inverse=True)
         block = self._h_images[uniq]  # h5py wants increasing indices: one read, then reorder
         return [decode_stored(self._record(int(i)), block[j], f"#{i}") for i, j in zip(idx, inv)]
