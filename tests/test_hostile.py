@@ -309,33 +309,12 @@ def world(tmp_path_factory) -> dict:
         f.truncate(8 << 30)
     (d / "ok.jpg").write_bytes(jpeg(20, 20, 2))
     case("pack_sparse_8gib_jpg", "convert", d, dst=str(base / "sparse_jpg.lmdb"))
-    d = base / "nested"
-    d.mkdir()
-    deep = os.open(d, os.O_RDONLY)
-    for _ in range(1100):  # relative to a folder descriptor: the full path is past what os.makedirs handles
-        os.mkdir("d", dir_fd=deep)
-        nxt = os.open("d", os.O_RDONLY, dir_fd=deep)
-        os.close(deep)
-        deep = nxt
-    fd = os.open("x.jpg", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=deep)
-    os.write(fd, jpeg(20, 20, 3))
-    os.close(fd)
-    os.close(deep)
-    case("pack_nested_1100", "convert", d, dst=str(base / "nested.lmdb"))
-    d = base / "long"
-    d.mkdir()
-    deep = os.open(d, os.O_RDONLY)
-    for _ in range(20):  # a path of 5,000 bytes: past PATH_MAX, so the folder cannot be listed by path
-        os.mkdir("d" * 250, dir_fd=deep)
-        nxt = os.open("d" * 250, os.O_RDONLY, dir_fd=deep)
-        os.close(deep)
-        deep = nxt
-    fd = os.open("x.jpg", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=deep)
-    os.write(fd, jpeg(20, 20, 3))
-    os.close(fd)
-    os.close(deep)
-    (d / "ok.jpg").write_bytes(jpeg(20, 20, 4))
-    case("pack_path_over_4096", "convert", d, dst=str(base / "long.lmdb"))
+    # relative to folder descriptors: the full paths are past what os.makedirs handles
+    _deep_folder(base / "nested", "d", 1100)
+    case("pack_nested_1100", "convert", base / "nested", dst=str(base / "nested.lmdb"))
+    _deep_folder(base / "long", "d" * 250, 20)  # a path of 5,000 bytes: past PATH_MAX, cannot be listed
+    (base / "long" / "ok.jpg").write_bytes(jpeg(20, 20, 4))
+    case("pack_path_over_4096", "convert", base / "long", dst=str(base / "long.lmdb"))
     d = base / "csv_src"
     d.mkdir()
     (d / "a.jpg").write_bytes(jpeg(40, 40, 1))
@@ -346,6 +325,21 @@ def world(tmp_path_factory) -> dict:
     yield {"results": results, "base": base}
     # 1,100 nested folders: pytest's recursive cleanup would hit Python's recursion limit
     subprocess.run(["rm", "-rf", str(base / "nested"), str(base / "long")], check=False)
+
+
+def _deep_folder(root: Path, name: str, depth: int) -> None:
+    """``root/name/name/.../x.jpg``, ``depth`` folders deep, made through folder descriptors."""
+    root.mkdir()
+    deep = os.open(root, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir(name, dir_fd=deep)
+        nxt = os.open(name, os.O_RDONLY, dir_fd=deep)
+        os.close(deep)
+        deep = nxt
+    fd = os.open("x.jpg", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=deep)
+    os.write(fd, jpeg(20, 20, 3))
+    os.close(fd)
+    os.close(deep)
 
 
 def _npy_shape(path: Path, old: str, new: str) -> None:
