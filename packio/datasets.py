@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio import decode as dec
+from packio import geometry as geo
 from packio.collation import collate, ragged, unpack
 from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.formats import open_reader
@@ -20,11 +21,14 @@ from packio.formats.base import Reader
 from packio.order import dist_info, epoch_order, rank_slice, worker_slice
 from packio.sample import Sample, checksum
 
+__all__ = ["PackedDataset", "PackedIterableDataset", "open_dataset", "format_classes", "ResumableSampler",
+           "DataLoader", "DeferredBatch"]
+
 log = logging.getLogger("packio")
 Size = int | tuple[int, int] | None
 
 
-def _hw(resize: Size) -> tuple[int, int] | None:
+def _resize_hw(resize: Size) -> tuple[int, int] | None:
     if resize is None:
         return None
     if isinstance(resize, int):
@@ -53,7 +57,7 @@ class _Items:
         if format_name and self.reader.manifest.format != format_name:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
                               f"use packio.open_dataset() to open any format")
-        self.decode, self.size, self.transform = decode, _hw(resize), transform
+        self.decode, self.size, self.transform = decode, _resize_hw(resize), transform
         if self.size is not None:
             dec.check_pixels(self.size[1], self.size[0])  # ValueError: the resize target is the user's
         self.backend, self.on_error, self.verify = backend, on_error, verify
@@ -76,11 +80,13 @@ class _Items:
                     img = dec.decode(s.payload, backend=self.backend, min_size=self.size, strict=self.verify)
                 except ValueError as exc:
                     raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
-            h0, w0 = (s.height, s.width) if s.height and s.width else img.shape[:2]
             if self.size is not None:
                 img = dec.resize(img, self.size)
-            if (img.shape[0], img.shape[1]) != (h0, w0) and len(boxes):
-                boxes = boxes * np.array([img.shape[1] / w0, img.shape[0] / h0] * 2, np.float32)
+            if len(boxes):  # from the stored size, not the decoded one (DCT scaling)
+                try:
+                    boxes = geo.resize(boxes, dec.stored_hw(s.payload, s.encoding, s.width, s.height), img.shape[:2])
+                except ValueError as exc:
+                    raise CorruptSampleError(s.key, f"image size unreadable ({exc})") from None
             image = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)
             if self.transform is not None:
                 image = self.transform(image)
@@ -142,11 +148,11 @@ class _Items:
             try:
                 img = s.payload if isinstance(s.payload, np.ndarray) else dec.decode(
                     s.payload, backend=self.backend, min_size=self.size)
+                hw0 = dec.stored_hw(s.payload, s.encoding, s.width, s.height) if len(s.boxes) else (h, w)
             except ValueError as exc:
                 return CorruptSampleError(s.key, f"image does not decode ({exc})")
-            h0, w0 = (s.height, s.width) if s.height and s.width else img.shape[:2]
             dec.resize(img, (h, w), out=arr[j])
-            return s.boxes * np.array([w / w0, h / h0] * 2, np.float32) if len(s.boxes) else s.boxes
+            return geo.resize(s.boxes, hw0, (h, w))
 
         pool = self._executor() if self.threads > 1 else None
         boxes = list(pool.map(one, range(n)) if pool else map(one, range(n)))
@@ -323,19 +329,30 @@ def open_dataset(path: str | Path, *, iterable: bool = False, **kwargs: Any) -> 
     return (PackedIterableDataset if iterable else PackedDataset)(path, **kwargs)
 
 
-def _pair(fmt: str, prefix: str) -> tuple[type[PackedDataset], type[PackedIterableDataset]]:
-    doc = f"A {prefix} dataset; see :class:`PackedDataset` / :class:`PackedIterableDataset`."
-    m = type(f"{prefix}Dataset", (PackedDataset,), {"format_name": fmt, "__doc__": doc, "__module__": __name__})
-    it = type(f"{prefix}IterableDataset", (PackedIterableDataset,),
-              {"format_name": fmt, "__doc__": doc, "__module__": __name__})
-    return m, it
+_FORMAT_CLASSES: dict[str, type] = {}
 
 
-LMDBDataset, LMDBIterableDataset = _pair("lmdb", "LMDB")
-HDF5Dataset, HDF5IterableDataset = _pair("hdf5", "HDF5")
-TarDataset, TarIterableDataset = _pair("tar", "Tar")
-BMPDataset, BMPIterableDataset = _pair("bmp", "BMP")
-ArrayDataset, ArrayIterableDataset = _pair("arrays", "Array")
+def format_classes() -> dict[str, type]:
+    """``{prefix}Dataset`` / ``{prefix}IterableDataset`` for every registered format
+    (``LMDBDataset``, ``TarIterableDataset``, ...): the generic classes pinned to one
+    format. Made once per name, so pickling (spawn workers) finds the same class."""
+    from packio.formats import formats
+
+    for spec in formats().values():
+        doc = f"A {spec.name} dataset; see :class:`PackedDataset` / :class:`PackedIterableDataset`."
+        for base in (PackedDataset, PackedIterableDataset):
+            name = f"{spec.class_prefix}{base.__name__.removeprefix('Packed')}"
+            if name not in _FORMAT_CLASSES:
+                _FORMAT_CLASSES[name] = type(name, (base,), {"format_name": spec.name, "__doc__": doc,
+                                                            "__module__": __name__})
+    return _FORMAT_CLASSES
+
+
+def __getattr__(name: str) -> Any:
+    cls = format_classes().get(name) if name.endswith("Dataset") else None
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cls
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):

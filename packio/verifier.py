@@ -10,6 +10,8 @@ from packio.formats import open_reader
 from packio.manifest import DIGEST, file_digest
 from packio.sample import checksum
 
+__all__ = ["VerifyReport", "verify"]
+
 
 @dataclass
 class VerifyReport:

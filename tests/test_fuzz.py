@@ -22,8 +22,8 @@ from conftest import jpeg, photo, run_child_cases
 
 AS_LIMIT = 3 << 30
 PER_FILE = {"flip": 5, "truncate": 3, "int": 4, "field": 4}  # mutations of each kind, per file
-FORMATS = {"lmdb": {}, "h5": {}, "h5fixed": {"resize": (24, 32)}, "tar": {}, "bmp": {"short_side": 20},
-           "npy": {"resize": (24, 32)}}
+FORMATS = {"lmdb": {}, "h5": {}, "h5fixed": {"resize": (24, 32)}, "wds": {}, "bmpdir": {"short_side": 20},
+           "arrays": {"resize": (24, 32)}}
 
 CHILD = r"""
 import json, os, re, resource, shutil, sys, time

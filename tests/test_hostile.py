@@ -151,10 +151,10 @@ def world(tmp_path_factory) -> dict:
         cases.append({"name": name, "action": action, "path": str(path), **extra})
 
     # FIFOs in place of data files: refused without blocking (ds[0] and verify)
-    for fmt, suffix, victim, kw in (("bmp", ".bmp", "images/000000/0000000000.bmp", {"resize": packio.ResizeSpec(short_side=32)}),
-                                    ("tar", ".tar", "shard-000000.tar", {}), ("lmdb", ".lmdb", "data.mdb", {}),
-                                    ("arrays", ".npy", "images.npy", fixed), ("bmprec", ".bmp", "records.bin",
-                                                                              {"resize": packio.ResizeSpec(short_side=32)})):
+    for fmt, suffix, victim, kw in (("bmp", ".bmpdir", "images/000000/0000000000.bmp", {"resize": packio.ResizeSpec(short_side=32)}),
+                                    ("tar", ".wds", "shard-000000.tar", {}), ("lmdb", ".lmdb", "data.mdb", {}),
+                                    ("arrays", ".arrays", "images.npy", fixed), ("bmprec", ".bmpdir", "records.bin",
+                                                                                 {"resize": packio.ResizeSpec(short_side=32)})):
         p = pack(f"fifo_{fmt}{suffix}", **kw)
         (p / victim).unlink()
         os.mkfifo(p / victim)
@@ -162,7 +162,7 @@ def world(tmp_path_factory) -> dict:
         case(f"fifo_{fmt}_verify", "verify", p)
 
     # truncated under an open reader (LMDB and arrays read through memory maps: SIGBUS)
-    for fmt, suffix, victim, kw in (("lmdb", ".lmdb", "data.mdb", {}), ("arrays", ".npy", "images.npy", fixed)):
+    for fmt, suffix, victim, kw in (("lmdb", ".lmdb", "data.mdb", {}), ("arrays", ".arrays", "images.npy", fixed)):
         p = pack(f"trunc_{fmt}{suffix}", **kw)
         case(f"truncated_under_reader_{fmt}", "truncate_under_reader", p, victim=str(p / victim), keep=8192)
 
@@ -184,8 +184,8 @@ def world(tmp_path_factory) -> dict:
     case("lmdb_meta_last_page", "read", p, kw={"decode": False})
 
     # a manifest count of 10**12, in every format
-    for fmt, suffix, kw in (("lmdb", ".lmdb", {}), ("tar", ".tar", {}), ("bmp", ".bmp", {"resize": packio.ResizeSpec(short_side=32)}),
-                            ("arrays", ".npy", fixed)):
+    for fmt, suffix, kw in (("lmdb", ".lmdb", {}), ("tar", ".wds", {}), ("bmp", ".bmpdir", {"resize": packio.ResizeSpec(short_side=32)}),
+                            ("arrays", ".arrays", fixed)):
         p = pack(f"count_{fmt}{suffix}", **kw)
         m = json.loads((p / "packio.json").read_text())
         m["count"] = 10**12
@@ -201,12 +201,12 @@ def world(tmp_path_factory) -> dict:
     case("count_hdf5", "read", p)
 
     # lying .npy headers: labels claiming 10**12 rows; records index claiming more than its file
-    p = pack("npy_labels.npy", **fixed)
+    p = pack("npy_labels.arrays", **fixed)
     n = json.loads((p / "packio.json").read_text())["count"]
     _npy_shape(p / "labels.npy", f"({n},)", "(1000000000000,)")
     case("npy_labels_header", "reader_batch", p)
     case("npy_labels_header_dataset", "read", p, kw={"decode": False})
-    p = pack("npy_idx.bmp", resize=packio.ResizeSpec(short_side=32))
+    p = pack("npy_idx.bmpdir", resize=packio.ResizeSpec(short_side=32))
     _npy_shape(p / "records.idx.npy", f"({n + 1},)", f"({n + 2},)")
     m = json.loads((p / "packio.json").read_text())
     m["count"] = n + 1
@@ -214,12 +214,12 @@ def world(tmp_path_factory) -> dict:
     case("npy_idx_header", "read", p)
 
     # tar index sizes of 2**40, and an offset past the shard's end
-    p = pack("index40.tar")
+    p = pack("index40.wds")
     idx = np.load(p / "index.npy")
     idx[2, 2] = 1 << 40
     np.save(p / "index.npy", idx)
     case("tar_index_2_40", "read", p, kw={"decode": False})
-    p = pack("index_off.tar")
+    p = pack("index_off.wds")
     idx = np.load(p / "index.npy")
     idx[2, 1] = 1 << 30
     np.save(p / "index.npy", idx)
@@ -273,7 +273,7 @@ def world(tmp_path_factory) -> dict:
     text = json.dumps(m)
     (p / "packio.json").write_text(text[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
     case("deep_json_manifest", "read", p)
-    p = pack("deep_record.tar")
+    p = pack("deep_record.wds")
     idx = np.load(p / "index.npy")
     shard = p / "shard-000000.tar"
     raw = bytearray(shard.read_bytes())
@@ -515,7 +515,7 @@ def test_writer_keeps_the_readers_record_limits(tmp_path, monkeypatch):
                          box_labels=np.zeros(2**20 + 1, np.int64))
     assert unstorable(many)[0] == "too many boxes"
     monkeypatch.setattr(limits, "MAX_BOXES", 4)  # the same check end to end, on a small CSV
-    for suffix in (".lmdb", ".tar", ".h5"):
+    for suffix in (".lmdb", ".wds", ".h5"):
         s = packio.convert(root, tmp_path / f"o{suffix}", csv=tmp_path / "b.csv", progress=False)
         assert s.packed == 1 and dict(s.skipped) == {"too many boxes": 1}, s.text()
         ds = packio.open_dataset(tmp_path / f"o{suffix}")
@@ -569,10 +569,10 @@ def damaged_folder(tmp_path) -> Path:
 
 @pytest.mark.parametrize("resize", [None, packio.ResizeSpec(short_side=48)])
 def test_check_decode_skips_damaged_jpegs(damaged_folder, tmp_path, resize):
-    s = packio.convert(damaged_folder, tmp_path / "o.tar", check="decode", resize=resize, progress=False)
+    s = packio.convert(damaged_folder, tmp_path / "o.wds", check="decode", resize=resize, progress=False)
     assert s.packed == 1 and dict(s.skipped) == {"corrupt image data": 2}, s.text()
     assert any("garbage.jpg" in p and "Corrupt JPEG data" in p for p in s.problems)
-    assert packio.open_dataset(tmp_path / "o.tar")[0]["key"] == "c/good.jpg"
+    assert packio.open_dataset(tmp_path / "o.wds")[0]["key"] == "c/good.jpg"
 
 
 def test_damaged_jpegs_packed_by_header_check_fail_verified_reads(damaged_folder, tmp_path):

@@ -246,7 +246,7 @@ def slow_add(self, sample):  # a slow disk: widens the window the kill can land 
     add(self, sample)
 writer.add = slow_add
 packio.convert(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), progress=False,
-               shard_samples=40, resize=packio.ResizeSpec(size=(32, 32)) if sys.argv[2].endswith('.npy') else None)
+               shard_samples=40, resize=packio.ResizeSpec(size=(32, 32)) if sys.argv[2].endswith('.arrays') else None)
 """
 
 
@@ -266,7 +266,7 @@ def _tree_state(root: Path) -> list[tuple[str, int, int]]:
     return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5", ".tar", ".npy"])
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5", ".wds", ".arrays"])
 def test_kill_at_random_points_leaves_nothing_half_written(big_folder, tmp_path, suffix):
     rng = np.random.default_rng(hash(suffix) % 1000)
     before = _tree_state(big_folder)
@@ -289,6 +289,6 @@ def test_kill_at_random_points_leaves_nothing_half_written(big_folder, tmp_path,
     assert "absent" in outcomes  # at least one kill landed mid-conversion
     assert _tree_state(big_folder) == before  # the input is never modified
     s = packio.convert(big_folder, dst, progress=False, resize=packio.ResizeSpec(size=(32, 32))
-                       if suffix == ".npy" else None)  # a rerun completes and cleans the leftovers
+                       if suffix == ".arrays" else None)  # a rerun completes and cleans the leftovers
     assert s.packed == 360 and packio.verify(dst).ok
     assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name]

@@ -1,7 +1,7 @@
-"""Pre-resized uint8 arrays: ``images.npy`` uint8[N, H, W, 3] (memory-mapped; a
-batch of indices is one fancy-index slice), ``labels.npy`` int64[N], boxes as
-``boxes.npy`` float32[M, 4] + ``box_labels.npy`` int64[M] + ``box_offsets.npy``
-int64[N+1], ``keys.npy`` (unicode), and the full records (with checksums) in
+"""Pre-resized uint8 arrays, a folder ``DST.arrays/``: ``images.npy`` uint8[N, H, W, 3] (memory-mapped; a
+batch of indices is one fancy-index slice), the label/box columns shared with HDF5
+(packio/formats/columns.py) as ``labels.npy``, ``boxes.npy``, ``box_labels.npy``,
+``box_offsets.npy``, ``keys.npy`` (unicode), and the full records (with checksums) in
 ``records.bin`` / ``records.idx.npy``. Plain ``numpy.load(..., mmap_mode="r")``
 reads every array; a batch needs no per-sample record parsing.
 """
@@ -17,7 +17,11 @@ import numpy as np
 from packio import limits
 from packio.errors import FormatError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored
+from packio.formats.columns import NAMES, ColumnBuffer, Columns
+from packio.manifest import Manifest
 from packio.sample import Sample
+
+__all__ = ["ArrayWriter", "ArrayReader", "FORMAT"]
 
 _HEADER = 256  # bytes reserved for the .npy header, rewritten with the final N
 
@@ -40,9 +44,7 @@ class ArrayWriter(Writer):
         self._h, self._w = options.fixed_shape
         self._out = open(path / "images.npy", "wb")
         self._out.write(_npy_header((0, self._h, self._w, 3)))
-        self._labels: list[int] = []
-        self._boxes: list[np.ndarray] = []
-        self._box_labels: list[np.ndarray] = []
+        self._columns = ColumnBuffer()
         self._keys: list[str] = []
         self._records = RecordFile(path)
 
@@ -51,9 +53,7 @@ class ArrayWriter(Writer):
         if not isinstance(img, np.ndarray) or img.shape != (self._h, self._w, 3) or img.dtype != np.uint8:
             raise ValueError(f"{sample.key}: expected uint8[{self._h}, {self._w}, 3]")
         self._out.write(np.ascontiguousarray(img).data)
-        self._labels.append(sample.label)
-        self._boxes.append(np.asarray(sample.boxes, np.float32).reshape(-1, 4))
-        self._box_labels.append(np.asarray(sample.box_labels, np.int64))
+        self._columns.add(sample)
         self._keys.append(sample.key)
         self._records.add(sample.record())
         self.count += 1
@@ -63,10 +63,10 @@ class ArrayWriter(Writer):
         self._out.write(_npy_header((self.count, self._h, self._w, 3)))
         self._out.close()
         save = lambda name, arr: np.save(self.path / name, arr, allow_pickle=False)  # noqa: E731
-        save("labels.npy", np.asarray(self._labels, np.int64))
-        save("boxes.npy", np.concatenate(self._boxes) if self._boxes else np.zeros((0, 4), np.float32))
-        save("box_labels.npy", np.concatenate(self._box_labels) if self._box_labels else np.zeros(0, np.int64))
-        save("box_offsets.npy", np.concatenate([[0], np.cumsum([len(b) for b in self._boxes])]).astype(np.int64))
+        columns = self._columns.drain()
+        columns["box_offsets"] = np.concatenate([[0], columns["box_offsets"]]).astype(np.int64)
+        for name, column in columns.items():
+            save(f"{name}.npy", column)
         save("keys.npy", np.asarray(self._keys, dtype=str) if self._keys else np.zeros(0, "U1"))
         self._records.close()
         return {"images": "images.npy", "labels": "labels.npy", "shape": [self._h, self._w, 3]}
@@ -86,6 +86,14 @@ class ArrayReader(Reader):
     cheap_gather = True
     COUNT_FILE = RecordFile.IDX
 
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        if "parts" in manifest.extra:
+            return []
+        n, shape = manifest.count, manifest.image.get("shape") or ["H", "W", 3]
+        return [f"arrays:   {path / 'images.npy'} uint8[{n}, {', '.join(map(str, shape))}], labels.npy int64[{n}]"
+                f" (numpy.load(..., mmap_mode='r'))"]
+
     def _open(self) -> None:
         n, shape = self.manifest.count, (self.manifest.image or {}).get("shape")
         if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)
@@ -100,21 +108,18 @@ class ArrayReader(Reader):
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
         self._h_meta = None
 
-    def _meta(self) -> tuple[np.ndarray, ...]:
-        """labels, boxes, box labels, box offsets, keys: loaded and checked once."""
+    def _meta(self) -> tuple[Columns, np.ndarray]:
+        """The label/box columns and the keys: loaded and checked once."""
         if self._h_meta is None:
             n = self.manifest.count
-            p = self.path
-            labels = limits.load_npy(p / "labels.npy", "<i8", (n,))
-            boxes = limits.load_npy(p / "boxes.npy", "<f4", (None, 4))
-            box_labels = limits.load_npy(p / "box_labels.npy", "<i8", (len(boxes),))
-            off = limits.load_npy(p / "box_offsets.npy", "<i8", (n + 1,))
-            keys = limits.load_npy(p / "keys.npy", "U", (n,), mmap=True)
+            shapes = {"labels": (n,), "boxes": (None, 4), "box_labels": (None,), "box_offsets": (n + 1,)}
+            dtypes = {"labels": "<i8", "boxes": "<f4", "box_labels": "<i8", "box_offsets": "<i8"}
+            # headers checked against the manifest and the files' sizes before anything is read
+            arrays = {name: limits.load_npy(self.path / f"{name}.npy", dtypes[name], shapes[name]) for name in NAMES}
+            keys = limits.load_npy(self.path / "keys.npy", "U", (n,), mmap=True)
             if isinstance(keys, np.memmap):
-                self._h_guard.add(p / "keys.npy", keys.offset + keys.nbytes)
-            if n and not (off[0] == 0 and off[-1] == len(boxes) and bool(np.all(np.diff(off) >= 0))):
-                raise FormatError(f"{self.path}: box offsets do not match the boxes; the dataset is damaged, re-pack it")
-            self._h_meta = (labels, boxes, box_labels, off, keys)
+                self._h_guard.add(self.path / "keys.npy", keys.offset + keys.nbytes)
+            self._h_meta = (Columns.checked(arrays, n, str(self.path)), keys)
         return self._h_meta
 
     def _drop_handles(self) -> None:
@@ -142,13 +147,9 @@ class ArrayReader(Reader):
     def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
         self._ensure_open()
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
-        labels, boxes, box_labels, off, keys = self._meta()
-        a, b = off[idx], off[idx + 1]
+        columns, keys = self._meta()
         image = self.gather(idx)  # checks the maps first
-        return {"image": image, "label": labels[idx],
-                "boxes": [boxes[i:j] for i, j in zip(a.tolist(), b.tolist())],
-                "box_labels": [box_labels[i:j] for i, j in zip(a.tolist(), b.tolist())],
-                "key": keys[idx].tolist(), "index": idx}
+        return {"image": image, **columns.take(idx), "key": keys[idx].tolist(), "index": idx}
 
     def gather(self, idx: np.ndarray) -> np.ndarray:
         """uint8[B, H, W, 3] for these indices. From a plain ndarray view of the map:
@@ -163,5 +164,5 @@ class ArrayReader(Reader):
         return self._h_images
 
 
-FORMAT = FormatSpec(name="arrays", suffixes=(".npy", ".arrays"), writer=ArrayWriter, reader=ArrayReader,
-                    payload="raw", needs_fixed_shape=True)
+FORMAT = FormatSpec(name="arrays", suffixes=(".arrays",), writer=ArrayWriter, reader=ArrayReader,
+                    stores="pixels", needs_fixed_shape=True, dataset_prefix="Array")

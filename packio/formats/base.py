@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import struct
 from abc import ABC, abstractmethod
@@ -18,28 +19,45 @@ from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, sample_from_record
 
+__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "file_starts_with", "payload_bytes",
+           "Writer", "Reader", "RecordFile", "FormatSpec"]
+
 
 @dataclass(frozen=True)
 class WriteOptions:
     """What a writer needs to know beyond the samples themselves."""
 
-    shard_samples: int = 10_000  # tar: samples per shard
+    shard_samples: int = 10_000  # tar: samples per shard (when ``shards`` is 0)
     shard_bytes: int = 1 << 30  # tar: bytes per shard (whichever limit comes first)
+    shards: int = 0  # tar: split ``expected`` samples evenly over this many shards
+    expected: int = 0  # samples the writer will be given at most (the listing's length)
     fixed_shape: tuple[int, int] | None = None  # (h, w) when every image has it
 
 
-def pack_record(rec: dict[str, Any]) -> bytes:
-    blob = msgpack.packb(rec, use_bin_type=True)
-    if len(blob) > limits.MAX_RECORD_BYTES:  # the writer keeps the reader's limit: what packs can be read
-        raise CorruptSampleError(str(rec.get("key")), f"record of {len(blob)} bytes is over packio's limit "
-                                 f"of {limits.MAX_RECORD_BYTES}")
+# The one record codec. Every format stores a sample's record (packio.sample.Sample.record)
+# as msgpack, except tar shards, whose ``.json`` member is read by WebDataset and other
+# tools as is: there the same record is compact JSON, read with the same limits.
+MAX_RECORD_BYTES = limits.MAX_RECORD_BYTES  # the default; packio.limits' value is read at call time
+
+
+def pack_record(rec: dict[str, Any], *, text: bool = False) -> bytes:
+    """Encode a record: msgpack, or compact JSON with ``text=True``. The writer keeps the
+    readers' size limit: what packs can be read back."""
+    blob = json.dumps(rec, separators=(",", ":")).encode() if text else msgpack.packb(rec, use_bin_type=True)
+    if len(blob) > limits.MAX_RECORD_BYTES:
+        raise CorruptSampleError(str(rec.get("key")), f"record of {len(blob)} bytes exceeds packio's limit of "
+                                 f"{limits.MAX_RECORD_BYTES}")
     return blob
 
 
-def unpack_record(data: bytes | memoryview, where: str) -> Any:
+def unpack_record(data: bytes | memoryview, where: str, *, text: bool = False) -> Any:
+    """Decode a record from an untrusted file: bounded size, element counts (msgpack)
+    and nesting; any failure is a ``CorruptSampleError`` naming ``where``."""
     if len(data) > limits.MAX_RECORD_BYTES:
-        raise CorruptSampleError(where, f"record of {len(data)} bytes is over packio's limit of "
-                                 f"{limits.MAX_RECORD_BYTES}")
+        raise CorruptSampleError(where, f"record of {len(data)} bytes exceeds {limits.MAX_RECORD_BYTES}")
+    if text:
+        return limits.loads_json(bytes(data), "record", limits.MAX_RECORD_BYTES,
+                                 lambda m: CorruptSampleError(where, m))
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 20,
                                max_str_len=1 << 20, max_array_len=limits.MAX_BOXES, max_map_len=1 << 16)
@@ -56,6 +74,15 @@ def decode_stored(rec: Any, payload: bytes | np.ndarray, where: str) -> Sample:
             raise CorruptSampleError(sample.key, f"raw payload of {len(payload)} bytes does not fit {shape}")
         sample.payload = np.frombuffer(payload, np.uint8).reshape(shape)
     return sample
+
+
+def file_starts_with(path: str | Path, magic: bytes) -> bool:
+    """Whether ``path`` is a regular file beginning with ``magic`` (for ``Reader.claims``):
+    only those bytes are read, and a FIFO is not opened for blocking."""
+    try:
+        return limits.read_head(path, len(magic)) == magic
+    except PackioError:  # a folder, a FIFO, a missing path, no permission: not this format's file
+        return False
 
 
 def payload_bytes(sample: Sample) -> bytes | memoryview:
@@ -118,7 +145,7 @@ class Reader(ABC):
     Every subclass's ``_open`` / ``read`` / ``read_many`` / ``read_batch`` is wrapped so
     that native errors become packio errors (see ``_guarded``)."""
 
-    COUNT_FILE: str | None = ""  # file (relative; "" = the path itself) whose size bounds the count
+    COUNT_FILE: str | None = None  # file (relative; "" = the path itself) whose size bounds the count
     MIN_SAMPLE_BYTES = 8  # bytes every sample takes in COUNT_FILE at the least
 
     def __init__(self, path: Path, manifest: Manifest) -> None:
@@ -141,6 +168,22 @@ class Reader(ABC):
         text = limits.read_regular(mpath, limits.MAX_MANIFEST_BYTES, lambda m: FormatError(
             f"{m}; is this a dataset packed by packio?"))
         return Manifest.from_json(text, str(mpath))
+
+    @classmethod
+    def claims(cls, path: str) -> bool:
+        """True when ``path`` is this format's data without a packio manifest beside it
+        (an HDF5 file, tar shards): :meth:`open_unlisted` opens it."""
+        return False
+
+    @classmethod
+    def open_unlisted(cls, path: str) -> "Reader":
+        raise FormatError(f"{path}: not a packed dataset")
+
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        """Lines for ``packio info`` / the convert summary: how to open ``path`` with
+        the neighbours' tools (h5py, numpy, lmdb, webdataset, tar)."""
+        return []
 
     def __len__(self) -> int:
         return self.manifest.count
@@ -265,15 +308,36 @@ class RecordBlob:
 
 @dataclass(frozen=True)
 class FormatSpec:
-    """One format: its name, suffixes, writer and reader, kept side by side."""
+    """One format: its name, suffixes, writer and reader, kept side by side.
+    Registered in ``packio.formats`` (built in, or ``packio.formats.register``),
+    it gets everything else from there: ``open_reader`` / ``open_dataset``,
+    ``convert``, the CLI, the ``{dataset_prefix}Dataset`` classes and the benchmark."""
 
     name: str
     suffixes: tuple[str, ...]
     writer: type[Writer]
     reader: type[Reader]
-    payload: str  # "encoded": bytes as found / re-encoded JPEG; "raw": decoded pixels; "bmp"
+    stores: str = "files"  # "files": encoded images (as found, or re-encoded); "pixels": decoded uint8 HWC
+    encoding: str | None = None  # the one encoding every stored file gets ("bmp"); None: the source's, or JPEG
     needs_fixed_shape: bool = False
     raw_when_fixed: bool = False  # store decoded pixels when every image has one pre-resized shape
+    dataset_prefix: str = ""  # packio.{prefix}Dataset / {prefix}IterableDataset; default: name.capitalize()
+
+    @property
+    def class_prefix(self) -> str:
+        return self.dataset_prefix or self.name.capitalize()
+
+    def __post_init__(self) -> None:
+        if self.stores not in ("files", "pixels"):
+            raise ValueError(f"format {self.name!r}: stores must be 'files' or 'pixels', not {self.stores!r}")
+
+    @property
+    def payload(self) -> str:
+        """The payload kind written to ``manifest.image["payload"]`` by default: "raw"
+        (decoded pixels), the one fixed encoding ("bmp"), or "encoded"."""
+        return "raw" if self.stores == "pixels" else self.encoding or "encoded"
 
     def payload_for(self, fixed_shape: tuple[int, int] | None) -> str:
+        """The payload kind for this conversion: pixels when the format keeps them for
+        one fixed shape (HDF5), else :attr:`payload`."""
         return "raw" if self.raw_when_fixed and fixed_shape is not None else self.payload

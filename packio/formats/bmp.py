@@ -1,4 +1,4 @@
-"""Pre-resized BMP folder: ``images/{i // 1000:06d}/{i:010d}.bmp`` (decoding a BMP
+"""Pre-resized BMP folder ``DST.bmpdir/``: ``images/{i // 1000:06d}/{i:010d}.bmp`` (decoding a BMP
 is a copy, not a JPEG decode) plus ``records.bin`` / ``records.idx.npy``.
 
 This format opens one file per sample by design: it trades file opens for zero
@@ -13,7 +13,10 @@ from typing import Any
 from packio import limits
 from packio.errors import CorruptSampleError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.manifest import Manifest
 from packio.sample import Sample
+
+__all__ = ["BMPWriter", "BMPReader", "FORMAT"]
 
 
 def _rel(i: int) -> str:
@@ -46,6 +49,12 @@ class BMPWriter(Writer):
 class BMPReader(Reader):
     COUNT_FILE = RecordFile.IDX
 
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        if "parts" in manifest.extra:
+            return []
+        return [f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)"]
+
     def _open(self) -> None:
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
 
@@ -66,4 +75,5 @@ class BMPReader(Reader):
         return decode_stored(rec, payload, f"#{i}")
 
 
-FORMAT = FormatSpec(name="bmp", suffixes=(".bmp",), writer=BMPWriter, reader=BMPReader, payload="bmp")
+FORMAT = FormatSpec(name="bmp", suffixes=(".bmpdir",), writer=BMPWriter, reader=BMPReader, encoding="bmp",
+                    dataset_prefix="BMP")

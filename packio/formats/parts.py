@@ -15,6 +15,8 @@ from packio.formats.base import FormatSpec, Reader
 from packio.manifest import Manifest
 from packio.sample import Sample
 
+__all__ = ["MultiPartReader"]
+
 
 class MultiPartReader(Reader):
     COUNT_FILE = None  # each part checks its own; their sum must equal the count
