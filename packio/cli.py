@@ -169,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="image encoding stored: 'keep' (default) stores each image's bytes as found when the "
                         "format can hold them (resized images keep their encoding); jpeg/png/bmp re-encode")
     c.add_argument("--quality", type=_int_in(1, 100), default=90, help="JPEG quality 1 to 100 when encoding JPEG")
-    c.add_argument("--check", choices=("header", "decode"), default="header",
-                   help="decode: decode every image strictly and skip damaged ones (libjpeg's 'corrupt data'); "
-                        "header (default): check headers and JPEG end markers only")
+    c.add_argument("--check", choices=("auto", "header", "decode"), default="auto",
+                   help="damaged JPEGs (libjpeg's 'corrupt data' warnings) are skipped where images are decoded "
+                        "strictly: 'auto' (default) those decoded anyway (resized, re-encoded), at no extra cost; "
+                        "'decode' every image (a decode each); 'header' none (headers and end markers only)")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     c.add_argument("--shards", type=_int_in(1, 10**7), metavar="N",
                    help="tar: number of shards (default: max(8, 2 x CPUs), at least 8 samples each)")

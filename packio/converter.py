@@ -38,7 +38,7 @@ __all__ = ["Summary", "convert"]
 TMP_MARK = ".packio-tmp-"
 REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
 ENCODE_CHOICES = ("keep", "jpeg", "png", "bmp")
-CHECKS = ("header", "decode")
+CHECKS = ("auto", "header", "decode")
 # Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
 # workers="auto": time the first inputs here, then use processes only when each input costs at
@@ -90,7 +90,7 @@ class _Prep:
     reader: Reader | None = None  # set when the source is a packed dataset
     encode: str = "keep"  # "keep" or the encoding every stored image gets
     shape: tuple[int, int] | None = None  # (h, w) every stored image must have
-    check: str = "header"  # "decode": every image is decoded strictly before it is stored
+    check: str = "auto"  # see convert(); "auto": images decoded anyway are decoded strictly
 
 
 # (sample or None, skip reason or - for a sample - what was done to it ("jpeg kept", "bmp→jpeg")
@@ -136,7 +136,7 @@ def _finish(prep: _Prep, s: Sample, where: str, orientation: int | None = None) 
         img = s.payload
     else:
         try:  # pixels as stored; the orientation is applied below, with the boxes
-            img = dec.decode(s.payload, strict=prep.check == "decode", max_pixels=prep.max_pixels)
+            img = dec.decode(s.payload, strict=prep.check != "header", max_pixels=prep.max_pixels)
         except _native_errors() as exc:
             return None, "corrupt image data", f"{where} ({exc})"
     if prep.resize.active and (why := dec.output_problem(prep.resize, *img.shape[:2], to, prep.max_pixels)):
@@ -300,7 +300,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
             resize: dec.ResizeSpec | None = None, encode: str = "keep", quality: int = 90,
             overwrite: bool = False, shards: int | None = None, shard_samples: int | None = None,
             shard_bytes: int = 1 << 30, progress: bool | None = None, max_pixels: int | None = None,
-            scheduler: Any = None, parts: int | None = None, check: str = "header") -> Summary:
+            scheduler: Any = None, parts: int | None = None, check: str = "auto") -> Summary:
     """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
 
     The format comes from ``format`` or ``dst``'s suffix (``.lmdb`` ``.h5`` ``.wds``
@@ -324,10 +324,13 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     by one task into its own part; the parts are committed under one manifest once
     all of them are complete (needs ``pip install 'packio[dask]'``).
 
-    ``check="decode"`` decodes every image strictly before storing it and skips (and
-    counts) those libjpeg can only decode with warnings ("corrupt image data"); the
-    default ``"header"`` checks headers and JPEG end markers only (images that are
-    decoded anyway, to resize or re-encode, are then decoded leniently).
+    ``check``: a JPEG that libjpeg decodes only with warnings (garbage entropy data, a
+    cut scan) is skipped and counted as "corrupt image data" wherever it is decoded
+    strictly. ``"auto"`` (default): images decoded anyway (to resize, re-encode or turn
+    upright) are decoded strictly, at no extra cost; images stored as found get the
+    header checks only. ``"decode"``: every image is decoded strictly, stored as found
+    or not (costs a decode per image). ``"header"``: headers and JPEG end markers only,
+    lenient decoding (a damaged image is re-encoded with made-up pixels).
     ``max_pixels`` defaults to ``packio.limits.MAX_PIXELS``.
     """
     t0 = time.perf_counter()

@@ -20,6 +20,10 @@ import numpy as np
 
 from packio.errors import FormatError, PackioError
 
+__all__ = ["MAX_PIXELS", "MAX_JPEG_SIDE", "MAX_INPUT_BYTES", "MAX_PAYLOAD_BYTES", "MAX_RECORD_BYTES", "MAX_BOXES",
+           "MAX_MANIFEST_BYTES", "MAX_JSON_DEPTH", "MAX_CLASSES", "open_regular", "read_regular", "read_head",
+           "file_size", "check_span", "check_count", "json_depth", "loads_json", "load_npy", "MapGuard"]
+
 MAX_PIXELS = 178_956_970  # one image, decoded or resized (PIL's decompression-bomb error limit)
 MAX_JPEG_SIDE = 65_500  # libjpeg-turbo cannot encode a wider or taller JPEG
 MAX_INPUT_BYTES = 1 << 30  # one source image file

@@ -16,7 +16,7 @@ import numpy as np
 from packio import limits
 from packio.errors import CorruptSampleError
 
-__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "Sample", "sample_from_record"]
+__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "Sample", "sample_from_record", "unstorable"]
 
 ENCODINGS = ("jpeg", "png", "bmp", "webp", "raw")
 EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "webp": "webp", "raw": "npy"}

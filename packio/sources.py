@@ -27,7 +27,7 @@ import numpy as np
 from packio import geometry as geo
 from packio.errors import SourceError
 
-__all__ = ["SourceItem", "Scan", "parse_columns", "boxes_to_stored_frame", "scan_source"]
+__all__ = ["SourceItem", "Scan", "parse_columns", "boxes_to_stored_frame", "read_image_file", "scan_source"]
 
 FIELDS = ("filename", "class", "xmin", "ymin", "xmax", "ymax", "label", "width", "height")
 BOX_FIELDS = ("xmin", "ymin", "xmax", "ymax")

@@ -575,8 +575,16 @@ def test_check_decode_skips_damaged_jpegs(damaged_folder, tmp_path, resize):
     assert packio.open_dataset(tmp_path / "o.wds")[0]["key"] == "c/good.jpg"
 
 
-def test_damaged_jpegs_packed_by_header_check_fail_verified_reads(damaged_folder, tmp_path):
-    s = packio.convert(damaged_folder, tmp_path / "o.lmdb", progress=False)  # header check: they pass
+def test_default_check_skips_damaged_jpegs_it_decodes_anyway(damaged_folder, tmp_path):
+    s = packio.convert(damaged_folder, tmp_path / "r.lmdb", resize=packio.ResizeSpec(short_side=48), progress=False)
+    assert s.packed == 1 and dict(s.skipped) == {"corrupt image data": 2}, s.text()  # not laundered
+    s = packio.convert(damaged_folder, tmp_path / "h.lmdb", resize=packio.ResizeSpec(short_side=48),
+                       check="header", progress=False)
+    assert s.packed == 3  # lenient: re-encoded with made-up pixels
+
+
+def test_damaged_jpegs_stored_as_found_fail_verified_reads(damaged_folder, tmp_path):
+    s = packio.convert(damaged_folder, tmp_path / "o.lmdb", progress=False)  # stored as found: header checks pass
     assert s.packed == 3
     keys = {packio.open_dataset(tmp_path / "o.lmdb", decode=False)[i]["key"]: i for i in range(3)}
     lenient = packio.open_dataset(tmp_path / "o.lmdb")
@@ -650,3 +658,12 @@ def test_hdf5_cut_under_an_open_reader_is_an_error_not_zeros(gen_folder, tmp_pat
         f.truncate(path.stat().st_size // 3)
     with pytest.raises(packio.FormatError, match="truncated while open"):
         ds.sample(len(ds) - 1)
+
+
+def test_check_decode_from_the_command_line(damaged_folder, tmp_path, capsys):
+    from packio.cli import main
+
+    assert main(["convert", str(damaged_folder), str(tmp_path / "o.lmdb"), "--check", "decode", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert "packed 1 samples" in out.out and "2  corrupt image data" in out.out, out
+    assert packio.open_dataset(tmp_path / "o.lmdb").reader.manifest.image["check"] == "decode"

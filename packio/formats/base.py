@@ -19,8 +19,8 @@ from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, sample_from_record
 
-__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "file_starts_with", "payload_bytes",
-           "Writer", "Reader", "RecordFile", "FormatSpec"]
+__all__ = ["MAX_RECORD_BYTES", "NATIVE_ERRORS", "WriteOptions", "pack_record", "unpack_record", "decode_stored",
+           "file_starts_with", "payload_bytes", "Writer", "Reader", "RecordFile", "RecordBlob", "FormatSpec"]
 
 
 @dataclass(frozen=True)
