@@ -270,7 +270,7 @@ def check_decode(data: bytes | memoryview) -> None:
     """Decode the whole image, strictly; raise ValueError (``CorruptImageError`` for
     libjpeg's warnings) when it is damaged. A JPEG is decoded at 1/8 scale: all of
     its entropy-coded data is still read, which is where damage shows. That saves
-    little (0.7-1.0x a full decode in tools/bench_check_decode.py): the entropy
+    little (0.8-1.0x a full decode in tools/bench_check_decode.py): the entropy
     decoding is most of the cost."""
     if sniff(data) == "jpeg":
         try:
