@@ -101,12 +101,13 @@ def verify(s: Sample) -> None:
         raise CorruptSampleError(s.key, "checksum mismatch")
 
 
-def pixels(s: Sample, backend: str, min_size: tuple[int, int] | None) -> np.ndarray:
-    """``uint8[H, W, 3]`` of a stored sample (raw payloads are pixels already)."""
+def pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, strict: bool = False) -> np.ndarray:
+    """``uint8[H, W, 3]`` of a stored sample (raw payloads are pixels already); ``strict``:
+    libjpeg's "corrupt data" warnings are errors too."""
     if isinstance(s.payload, np.ndarray):
         return s.payload
     try:
-        return dec.decode(s.payload, backend=backend, min_size=min_size)
+        return dec.decode(s.payload, backend=backend, min_size=min_size, strict=strict)
     except ValueError as exc:
         raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
 
@@ -144,6 +145,8 @@ class Decoder:
         if backend != "auto" and backend not in dec.available_backends():
             # checked here: at decode time it would read as a corrupt sample, every sample
             raise ValueError(f"backend must be 'auto' or one of {dec.available_backends()}, not {backend!r}")
+        if size is not None:
+            dec.check_pixels(size[1], size[0])  # ValueError: the resize target is the user's
         self.decode, self.size, self.transform, self.backend, self.verify = decode, size, transform, backend, verify
 
     def __call__(self, index: int, s: Sample, slot: tuple[np.ndarray, torch.Tensor] | None = None) -> Item:
@@ -153,7 +156,7 @@ class Decoder:
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
             raw = isinstance(s.payload, np.ndarray)
             return item(index, s, chw(s.payload) if raw else s.payload, geo.as_boxes(s.boxes))
-        img = pixels(s, self.backend, self.size)
+        img = pixels(s, self.backend, self.size, strict=self.verify)
         if slot is not None:
             img = dec.resize(img, self.size, out=slot[0])  # type: ignore[arg-type]
             image = slot[1]

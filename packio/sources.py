@@ -20,14 +20,14 @@ import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from packio import geometry as geo
 from packio.errors import SourceError
 
-__all__ = ["SourceItem", "Scan", "parse_columns", "boxes_to_stored_frame", "scan_source"]
+__all__ = ["SourceItem", "Scan", "parse_columns", "boxes_to_stored_frame", "read_image_file", "scan_source"]
 
 FIELDS = ("filename", "class", "xmin", "ymin", "xmax", "ymax", "label", "width", "height")
 BOX_FIELDS = ("xmin", "ymin", "xmax", "ymax")
@@ -81,7 +81,7 @@ def _walk(root: Path, scan: Scan, exclude: set[str]) -> list[tuple[str, str]]:
     """(relative key, absolute path) of every regular file, sorted; no symlinked dirs."""
     found: list[tuple[str, str]] = []
     top = str(root)
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+    for dirpath, dirnames, filenames in _walk_dirs(top, scan):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         reldir = os.path.relpath(dirpath, top).replace(os.sep, "/")
         prefix = "" if reldir == "." else reldir + "/"
@@ -110,6 +110,71 @@ def _walk(root: Path, scan: Scan, exclude: set[str]) -> list[tuple[str, str]]:
                 continue
             found.append((rel, full))
     return found
+
+
+def _walk_dirs(top: str, scan: Scan) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(top, followlinks=False)`` without recursion (Python 3.11's recurses:
+    1,100 nested folders raise RecursionError) and with every folder it cannot list
+    (a path over PATH_MAX, no permission) counted, where ``os.walk`` drops it silently.
+    Top-down: the caller may prune ``dirnames`` in place."""
+    stack = [top]
+    while stack:
+        path = stack.pop()
+        try:
+            with os.scandir(path) as it:
+                entries = list(it)
+        except OSError as exc:
+            if path == top:
+                raise SourceError(f"{top}: cannot list the folder ({exc.strerror})") from None
+            scan.skip("unreadable folder", path, exc.strerror or "")
+            continue
+        dirs, files = [], []
+        for e in entries:
+            try:
+                is_dir = e.is_dir()
+            except OSError:
+                is_dir = False
+            (dirs if is_dir else files).append(e.name)
+        yield path, dirs, files
+        for d in reversed(dirs):  # popped in the caller's order: depth-first like os.walk
+            sub = os.path.join(path, d)
+            if not os.path.islink(sub):
+                stack.append(sub)
+
+
+def read_image_file(path: str, max_bytes: int) -> tuple[bytes | None, str, str]:
+    """(data, "", "") or (None, skip reason, detail). Never blocks on a FIFO, sniffs the
+    first bytes before reading the rest (a huge file that is no image is not read), and
+    refuses a file over ``max_bytes`` before reading it (an 8 GiB sparse .jpg)."""
+    from packio.decode import sniff
+
+    try:
+        with open(path, "rb", opener=_nonblocking) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None, "not a regular file", ""
+            if st.st_size == 0:
+                return None, "empty file", ""
+            head = f.read(64)
+            enc = sniff(head)
+            if enc is None:
+                return None, "not an image", ""
+            if enc == "gif":
+                return None, "unsupported image type (gif)", ""
+            if st.st_size > max_bytes:
+                return None, "file too large", f"{st.st_size} bytes, limit {max_bytes}"
+            data = head + f.read(st.st_size + 1 - len(head))
+    except OSError as exc:
+        return None, "unreadable file", exc.strerror or str(exc)
+    if len(data) != st.st_size:
+        return None, "file changed while being read", ""
+    return data, "", ""
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    os.set_blocking(fd, True)  # blocking reads again (regular files ignore it; a FIFO is refused)
+    return fd
 
 
 def _resolve_columns(path: Path, header: list[str], columns: dict[str, str]) -> dict[str, str]:
@@ -223,7 +288,10 @@ def _frame(row: dict[str, str], cols: dict[str, str], scan: Scan, where: str) ->
 
 
 def _finite(v: float) -> bool:
-    return v == v and abs(v) != float("inf")
+    return v == v and abs(v) <= _F32_MAX  # what a float32 box holds: 1e39 would become inf
+
+
+_F32_MAX = 3.4028234663852886e38
 
 
 def _fits(frame: tuple[int, int], size: tuple[int, int]) -> bool:

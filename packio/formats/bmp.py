@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from packio.errors import CorruptSampleError, FormatError
+from packio import limits
+from packio.errors import CorruptSampleError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -46,6 +47,8 @@ class BMPWriter(Writer):
 
 
 class BMPReader(Reader):
+    COUNT_FILE = RecordFile.IDX
+
     @classmethod
     def describe(cls, path: Path, manifest: Manifest) -> list[str]:
         if "parts" in manifest.extra:
@@ -63,13 +66,12 @@ class BMPReader(Reader):
         i = self.check_index(i)
         self._ensure_open()
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
-        try:
-            with open(self.path / _rel(i), "rb") as f:
-                payload = f.read()
-        except FileNotFoundError:
-            raise CorruptSampleError(str(rec.get("key", f"#{i}")), f"{_rel(i)} is missing") from None
-        except OSError as exc:
-            raise FormatError(f"{self.path / _rel(i)}: cannot read ({exc.strerror})") from None
+        key = str(rec.get("key", f"#{i}")) if isinstance(rec, dict) else f"#{i}"
+        if not (self.path / _rel(i)).exists():
+            raise CorruptSampleError(key, f"{_rel(i)} is missing")
+        # A FIFO in its place is refused without blocking; a huge file before it is read.
+        payload = limits.read_regular(self.path / _rel(i), limits.MAX_PAYLOAD_BYTES,
+                                      lambda m: CorruptSampleError(key, m))
         return decode_stored(rec, payload, f"#{i}")
 
 
