@@ -270,14 +270,14 @@ class RemoteTarReader(TarReader):
 
     def _release(self, shard: int) -> None:
         """Close and unpin one shard (caller holds ``_h_lock``)."""
-        fd = self._h_fds.pop(shard, None)
-        if fd is not None:
-            os.close(fd)
+        opened = self._h_fds.pop(shard, None)  # TarReader keeps (descriptor, size)
+        if opened is not None:
+            os.close(opened[0])
         pin = self._h_pins.pop(shard, None)
         if pin is not None:
             pin.release()
 
-    def _fd(self, shard: int) -> int:
+    def _fd(self, shard: int) -> tuple[int, int]:
         if shard not in self._h_fds:
             self._local(shard, fetch=True)
         return super()._fd(shard)
