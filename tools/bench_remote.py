@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         sources = {"local disk": str(local), "S3 (SeaweedFS)": "s3://bench/ds.wds", "HTTP": f"{http_url}/ds.wds"}
         results: dict[str, list[dict[str, Any]]] = {}
         for r in range(a.rounds):
-            for label, path in sources.items():
-                cache = work / f"cache-{r}-{len(results)}"
+            order = list(sources.items())
+            for k, (label, path) in enumerate(order if r % 2 == 0 else order[::-1]):  # a load trend cancels out
+                cache = work / f"cache-{r}-{k}"
                 shutil.rmtree(cache, ignore_errors=True)
                 for state in ("-",) if label == "local disk" else ("cold", "warm"):
                     res = run_child({"path": path, "cache": str(cache)}, server.env())
