@@ -28,7 +28,8 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=parse_columns(a.csv_columns),
                       workers=a.workers, strict=a.strict, resize=spec, quality=a.quality,
                       overwrite=a.overwrite, shard_samples=a.shard_samples, shard_bytes=a.shard_bytes,
-                      progress=False if a.quiet else None, scheduler=a.scheduler, parts=a.parts)
+                      progress=False if a.quiet else None, scheduler=a.scheduler, parts=a.parts,
+                      follow_symlinks=a.follow_symlinks)
     shown = summary.problems if a.verbose else summary.problems[:20]
     for line in shown:
         print(f"skipped: {line}", file=sys.stderr)
@@ -92,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--short-side", type=int, metavar="N", help="pre-resize so the short side is N (keeps aspect)")
     c.add_argument("--crop", type=_hw, metavar="HxW", help="center-crop to HxW after resizing")
     c.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding resized images")
-    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it is a packio dataset (atomically)")
+    c.add_argument("--follow-symlinks", action="store_true",
+                   help="follow symlinks in SRC that lead outside it, and symlinked folders (default: counted, skipped)")
     c.add_argument("--shard-samples", type=int, default=10_000, help="tar: samples per shard")
     c.add_argument("--shard-bytes", type=int, default=1 << 30, help="tar: bytes per shard")
     c.add_argument("--quiet", action="store_true", help="no progress bar")

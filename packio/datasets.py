@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio import decode as dec
 from packio.collation import collate, ragged, unpack
-from packio.errors import CorruptSampleError, FormatError, PackioError
+from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError
 from packio.formats import open_reader
 from packio.formats.base import Reader
 from packio.order import dist_info, epoch_order, rank_slice, worker_slice
@@ -185,7 +185,7 @@ class _Items:
         return dict(self.__dict__, _pool=None)
 
     def _failed(self, exc: PackioError) -> None:
-        if self.on_error == "raise":
+        if self.on_error == "raise" or isinstance(exc, DatasetReplacedError):  # not one bad sample: all are
             raise exc
         self.errors += 1
         if self.errors == 1 or self.errors % 100 == 0:

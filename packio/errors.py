@@ -15,8 +15,16 @@ class OutputExistsError(PackioError):
     """The output path exists and ``overwrite`` was not asked for."""
 
 
+class OutputBusyError(PackioError):
+    """Another conversion holds the lock on the same output path."""
+
+
 class FormatError(PackioError):
     """A packed dataset is missing, malformed, or of an unknown format."""
+
+
+class DatasetReplacedError(FormatError):
+    """The dataset a reader opened was replaced on disk (e.g. ``convert --overwrite``)."""
 
 
 class CorruptSampleError(PackioError):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from packio.errors import FormatError
-from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored
+from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, inside
 from packio.sample import Sample
 
 _HEADER = 256  # bytes reserved for the .npy header, rewritten with the final N
@@ -80,7 +80,7 @@ class ArrayReader(Reader):
 
     def _open(self) -> None:
         try:
-            images = np.load(self.path / "images.npy", mmap_mode="r", allow_pickle=False)
+            images = np.load(inside(self.path, "images.npy"), mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise FormatError(f"{self.path}: cannot map images.npy ({exc}); re-pack the dataset") from None
         if images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != self.manifest.count:
@@ -96,10 +96,11 @@ class ArrayReader(Reader):
         if self._h_meta is None:
             n = self.manifest.count
             try:
-                arrs = [np.load(self.path / f, allow_pickle=False, mmap_mode="r" if f == "keys.npy" else None)
+                arrs = [np.load(inside(self.path, f), allow_pickle=False, mmap_mode="r" if f == "keys.npy" else None)
                         for f in ("labels.npy", "boxes.npy", "box_labels.npy", "box_offsets.npy", "keys.npy")]
             except (OSError, ValueError) as exc:
                 raise FormatError(f"{self.path}: cannot read the label/box arrays ({exc}); re-pack it") from None
+            self._check_root()  # loaded later than the images: from the same dataset?
             labels, boxes, box_labels, off, keys = arrs
             ok = (labels.shape == (n,) and labels.dtype == np.int64 and boxes.dtype == np.float32
                   and boxes.ndim == 2 and boxes.shape[1] == 4 and box_labels.shape == (len(boxes),)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +13,46 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from packio.errors import CorruptSampleError, FormatError
-from packio.manifest import MANIFEST_NAME, Manifest, describe_files
+from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError
+from packio.manifest import MANIFEST_NAME, Manifest, describe_files, manifest_id
 from packio.sample import Sample, sample_from_record
+
+MAX_BOXES = 1 << 20  # per sample: the reader's msgpack array limit; the converter skips samples with more
+
+
+def inside(root: Path, rel: str | Path) -> Path:
+    """``root / rel`` with symlinks resolved; a FormatError when that lies outside
+    ``root`` (a dataset is a closed world: nothing it names may reach other files)."""
+    try:
+        base = root.resolve()
+        p = (root / rel).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise FormatError(f"{root}: cannot resolve {str(rel)!r} ({exc})") from None
+    if p != base and base not in p.parents:
+        raise FormatError(f"{root}: {str(rel)!r} leads outside the dataset (to {p}); refusing to read it. "
+                          f"A packed dataset must not hold symlinks to other places; re-pack it")
+    return p
+
+
+def read_inside(root: Path, rel: str, checked: set[str]) -> bytes:
+    """The bytes of the regular file ``root/rel``, never from outside ``root``. Its folder
+    is resolved once (remembered in ``checked``); the file is opened without following
+    a symlink unless the link stays inside, and without blocking on a FIFO."""
+    folder = rel.rpartition("/")[0]
+    if folder not in checked:
+        inside(root, folder)
+        checked.add(folder)
+    flags = os.O_RDONLY | os.O_NONBLOCK
+    try:
+        fd = os.open(root / rel, flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        fd = os.open(inside(root, rel), flags)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError(f"{root / rel}: not a regular file; refusing to read it")
+        return f.read()
 
 
 @dataclass(frozen=True)
@@ -32,7 +71,7 @@ def pack_record(rec: dict[str, Any]) -> bytes:
 def unpack_record(data: bytes | memoryview, where: str) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 20,
-                               max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 16)
+                               max_str_len=1 << 20, max_array_len=MAX_BOXES, max_map_len=1 << 16)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CorruptSampleError(where, f"record is not valid msgpack ({exc})") from None
 
@@ -89,7 +128,7 @@ class Reader(ABC):
     def read_manifest(cls, path: Path) -> Manifest:
         mpath = path / MANIFEST_NAME
         try:
-            text = mpath.read_bytes()
+            text = inside(path, MANIFEST_NAME).read_bytes()
         except OSError as exc:
             raise FormatError(f"{path}: cannot read {MANIFEST_NAME} ({exc.strerror}); "
                               f"is this a dataset packed by packio?") from None
@@ -102,8 +141,40 @@ class Reader(ABC):
         if self._pid != os.getpid():
             if self._pid is not None:
                 self._drop_handles()
+            self._check_id()  # before: a replaced dataset is this clear error, not some mismatch found on opening
             self._open()
             self._pid = os.getpid()
+            try:
+                self._h_root = _identity(self.path)
+                self._check_id()  # after: the handles belong to the dataset this reader describes
+            except BaseException:
+                self.close()
+                raise
+
+    def _check_id(self) -> None:
+        if not self.manifest.source.get("foreign") and self._stored_id() != self.manifest.id:
+            raise self._replaced()
+
+    def _stored_id(self) -> str:
+        """The id of the dataset now at ``self.path``."""
+        try:
+            return manifest_id(inside(self.path, MANIFEST_NAME))
+        except (OSError, FormatError):
+            raise self._replaced() from None
+
+    def _replaced(self) -> DatasetReplacedError:
+        return DatasetReplacedError(f"{self.path} was replaced or removed (another 'packio convert --overwrite'?) "
+                                    f"after this reader opened it; open the dataset again")
+
+    def _check_root(self) -> None:
+        """For files opened lazily by path: raise when the folder the handles came from
+        is no longer the one at ``self.path`` (records of one dataset, images of another)."""
+        try:
+            same = _identity(self.path) == self._h_root
+        except OSError:
+            same = False
+        if not same:
+            raise self._replaced()
 
     @abstractmethod
     def _open(self) -> None: ...
@@ -123,6 +194,10 @@ class Reader(ABC):
         return [self.read(i) for i in indices]
 
     cheap_gather: bool = False  # True: reading a batch from a page-cached map beats sending it between processes
+
+    def check_stored(self) -> list[str]:
+        """Problems in stored data that ``manifest.files`` does not cover (for verify)."""
+        return []
 
     def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
         """Whole-batch fast path of fixed-shape raw formats: ``image`` uint8[B, H, W, 3],
@@ -149,6 +224,11 @@ class Reader(ABC):
         return state
 
 
+def _identity(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 class RecordFile:
     """Records of formats that keep them apart from the payloads: one msgpack blob
     per sample concatenated in ``records.bin`` with ``records.idx.npy`` offsets."""
@@ -172,8 +252,9 @@ class RecordFile:
     @classmethod
     def load(cls, root: Path, count: int) -> tuple[np.ndarray, np.ndarray]:
         try:
-            idx = np.load(root / cls.IDX, allow_pickle=False, mmap_mode="r")
-            blob = np.memmap(root / cls.BIN, np.uint8, "r") if (root / cls.BIN).stat().st_size else np.zeros(0, np.uint8)
+            idx = np.load(inside(root, cls.IDX), allow_pickle=False, mmap_mode="r")
+            bin_path = inside(root, cls.BIN)
+            blob = np.memmap(bin_path, np.uint8, "r") if bin_path.stat().st_size else np.zeros(0, np.uint8)
         except (OSError, ValueError) as exc:
             raise FormatError(f"{root}: cannot read the record files ({exc})") from None
         if idx.shape != (count + 1,) or idx.dtype != np.int64 or (count and idx[-1] > len(blob)):

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes,
+                                 read_inside)
 from packio.sample import Sample
 
 
@@ -45,22 +46,25 @@ class BMPWriter(Writer):
 class BMPReader(Reader):
     def _open(self) -> None:
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
+        self._h_dirs: set[str] = set()  # image folders checked to lie inside the dataset
 
     def _drop_handles(self) -> None:
         self.__dict__.pop("_h_idx", None)
         self.__dict__.pop("_h_blob", None)
+        self.__dict__.pop("_h_dirs", None)
 
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
         try:
-            with open(self.path / _rel(i), "rb") as f:
-                payload = f.read()
+            payload = read_inside(self.path, _rel(i), self._h_dirs)
         except FileNotFoundError:
+            self._check_root()
             raise CorruptSampleError(str(rec.get("key", f"#{i}")), f"{_rel(i)} is missing") from None
         except OSError as exc:
             raise FormatError(f"{self.path / _rel(i)}: cannot read ({exc.strerror})") from None
+        self._check_root()  # the image came from the dataset the records were read from
         return decode_stored(rec, payload, f"#{i}")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import lmdb
 
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
+from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, pack_record,
                                  payload_bytes, unpack_record)
 from packio.sample import Sample
 
@@ -70,45 +70,47 @@ class LMDBWriter(Writer):
         self._env.close()
 
 
-_ENVS: dict[str, list] = {}  # realpath -> [environment, readers using it]
+_ENVS: dict[tuple[str, str], list] = {}  # (realpath, dataset id) -> [environment, readers using it]
 _ENVS_PID: list[int] = [0]
 
 
-def _shared_env(path: Path) -> lmdb.Environment:
-    """One environment per path per process, shared by its readers: py-lmdb refuses
+def _shared_env(path: Path, ident: str) -> lmdb.Environment:
+    """One environment per dataset per process, shared by its readers: py-lmdb refuses
     to open a path twice in a process, and a forked child inherits the parent's open
-    ones, which it must close before opening its own."""
+    ones, which it must close before opening its own. Keyed by the dataset's id too:
+    a dataset replaced at the same path must not be served the old one's environment."""
     if _ENVS_PID[0] != os.getpid():
         for env, _ in _ENVS.values():
             env.close()
         _ENVS.clear()
         _ENVS_PID[0] = os.getpid()
-    key = os.path.realpath(path)
+    key = (os.path.realpath(path), ident)
     if key not in _ENVS:
         # lock=False: readers never write; readahead stays on (shared/PERF-NOTES.md:
         # LMDB lost 32-41% cold with readahead=False on this kind of machine).
-        sys.audit("open", key, "r", 0)  # a C-level open, made visible to audit hooks (file-open counting)
-        _ENVS[key] = [lmdb.open(key, readonly=True, lock=False, subdir=True, readahead=True,
+        sys.audit("open", key[0], "r", 0)  # a C-level open, made visible to audit hooks (file-open counting)
+        _ENVS[key] = [lmdb.open(key[0], readonly=True, lock=False, subdir=True, readahead=True,
                                 meminit=False, max_readers=2048), 0]
     _ENVS[key][1] += 1
     return _ENVS[key][0]
 
 
-def _release_env(path: Path) -> None:
-    entry = _ENVS.get(os.path.realpath(path))
+def _release_env(path: Path, ident: str) -> None:
+    key = (os.path.realpath(path), ident)
+    entry = _ENVS.get(key)
     if entry is not None and _ENVS_PID[0] == os.getpid():
         entry[1] -= 1
         if entry[1] <= 0:
             entry[0].close()
-            del _ENVS[os.path.realpath(path)]
+            del _ENVS[key]
 
 
 class LMDBReader(Reader):
     def _open(self) -> None:
-        if not (self.path / "data.mdb").is_file():
+        if not inside(self.path, "data.mdb").is_file():
             raise FormatError(f"{self.path}: no data.mdb inside; this LMDB dataset is incomplete")
         try:
-            env = _shared_env(self.path)
+            env = _shared_env(self.path, self.manifest.id)
             self._h_txn = env.begin(buffers=True)
         except lmdb.Error as exc:
             raise FormatError(f"{self.path}: cannot open as LMDB ({exc}); is it a packio LMDB dataset?") from None
@@ -121,7 +123,7 @@ class LMDBReader(Reader):
         txn = self.__dict__.pop("_h_txn", None)
         if txn is not None and self._pid == os.getpid():
             txn.abort()
-            _release_env(self.path)
+            _release_env(self.path, self.manifest.id)
 
     def read(self, i: int) -> Sample:
         i = self.check_index(i)

@@ -23,7 +23,7 @@ import numpy as np
 
 from packio.decode import sniff
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import FormatSpec, Reader, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.formats.base import FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, payload_bytes
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
 
@@ -166,10 +166,15 @@ class TarReader(Reader):
     def __init__(self, path: Path, manifest: Manifest, shards: list[Path] | None = None,
                  index: np.ndarray | None = None, foreign: dict[int, tuple[str, int]] | None = None) -> None:
         super().__init__(path, manifest)
-        self.shards = shards if shards is not None else [path / s for s in manifest.extra.get("shards", [])]
+        if shards is None:
+            names = manifest.extra.get("shards", [])
+            if not isinstance(names, list) or not all(isinstance(s, str) for s in names):
+                raise FormatError(f"{path}: manifest 'shards' is not a list of file names; re-pack the dataset")
+            shards = [inside(path, s) for s in names]
+        self.shards = shards
         if index is None:
             try:
-                index = np.load(path / INDEX, allow_pickle=False)
+                index = np.load(inside(path, INDEX), allow_pickle=False)
             except (OSError, ValueError) as exc:
                 raise FormatError(f"{path}: cannot read {INDEX} ({exc}); re-pack the dataset") from None
         if index.dtype != np.int64 or index.shape != (manifest.count, 5) or (
@@ -225,6 +230,8 @@ class TarReader(Reader):
                 fds[shard] = os.open(self.shards[shard], os.O_RDONLY)
             except OSError as exc:
                 raise FormatError(f"{self.shards[shard]}: cannot open shard ({exc.strerror})") from None
+            if self.foreign is None:
+                self._check_root()  # a shard opened late must come from the dataset the index describes
         return fds[shard]
 
     def _drop_handles(self) -> None:
