@@ -199,7 +199,7 @@ class TarReader(Reader):
         """Open shards written by another tool: scan members once, build the index."""
         p = Path(path)
         if p.is_dir():
-            shards = sorted(p.glob("*.tar"))
+            shards = [inside(p, s.name) for s in sorted(p.glob("*.tar"))]
         elif "{" in path:
             shards = [Path(s) for s in _expand(path)]
         else:
