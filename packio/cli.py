@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding resized images")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it is a packio dataset (atomically)")
     c.add_argument("--follow-symlinks", action="store_true",
-                   help="follow symlinks in SRC that lead outside it, and symlinked folders (default: counted, skipped)")
+                   help="follow symlinks in SRC leading outside it, and symlinked folders (default: skipped, counted)")
     c.add_argument("--shard-samples", type=int, default=10_000, help="tar: samples per shard")
     c.add_argument("--shard-bytes", type=int, default=1 << 30, help="tar: bytes per shard")
     c.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -4,7 +4,6 @@ that the dataset they hold was replaced."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import subprocess
@@ -230,8 +229,8 @@ def _consistent(reader, i: int, keys: set[str]) -> bool:
 
 
 @pytest.mark.parametrize("fmt", sorted(formats()))
-def test_readers_notice_a_replaced_dataset(gen_folder, other_folder, tmp_path, fmt):
-    src, _ = gen_folder
+def test_readers_notice_a_replaced_dataset(real_folder, other_folder, tmp_path, fmt):
+    src = real_folder
     dst = tmp_path / f"out{SUFFIX[fmt]}"
     _pack(src, dst, fmt)
     old = packio.open_dataset(dst, decode=False)
