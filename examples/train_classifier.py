@@ -5,11 +5,14 @@ prefetcher → GPU transforms → AMP training step.
     python examples/train_classifier.py data.lmdb --gpu-decode   # nvjpeg on the GPU
 
 Uses ResNet-18 when torchvision is installed (and --model resnet18), else a small CNN.
+Needs image labels (class sub-folders, or a CSV ``label`` column): it refuses a
+dataset without any, and trains only on the labeled samples of a partly labeled one.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -35,6 +38,24 @@ def build_model(name: str, classes: int) -> nn.Module:
     return small_cnn(classes)
 
 
+def check_labels(ds: packio.PackedDataset, probe: int = 256) -> None:
+    """Exit with a clear message when the dataset has no image labels (label -1 means none):
+    a classifier trained on them would learn nothing (or, clamped to class 0, learn a lie)."""
+    n = len(ds)
+    idx = sorted({int(i) for i in torch.linspace(0, n - 1, min(n, probe)).round().tolist()}) if n else []
+    labels = [ds.sample(i).label for i in idx]
+    labeled = sum(lab >= 0 for lab in labels)
+    if not ds.classes or not labeled:
+        sys.exit(f"train_classifier: {ds.path}: none of the {len(idx)} samples looked at has an image label "
+                 f"(classes listed: {ds.classes or 'none'}, which may name boxes only). Pack images with labels: "
+                 f"class sub-folders (train/ants/x.jpg) or a CSV 'label' column.")
+    bad = [lab for lab in labels if lab >= len(ds.classes)]
+    if bad:
+        sys.exit(f"train_classifier: {ds.path}: label {bad[0]} is outside the {len(ds.classes)} classes listed")
+    if labeled < len(idx):
+        print(f"note: {len(idx) - labeled} of {len(idx)} samples looked at are unlabeled; training skips them")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="a packed dataset (any format)")
@@ -51,6 +72,7 @@ def main() -> None:
     device = torch.device(a.device) if a.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # CPU decode: workers decode + resize a bit larger than the crop; GPU decode: workers only read bytes.
     ds = packio.open_dataset(a.data, decode=not a.gpu_decode, resize=None if a.gpu_decode else int(a.size * 1.15))
+    check_labels(ds)
     classes = max(len(ds.classes), 2)
     loader = packio.DataLoader(ds, batch_size=a.batch_size, shuffle=True, num_workers=a.workers, drop_last=True,
                                pin_memory=device.type == "cuda", persistent_workers=a.workers > 0)
@@ -67,15 +89,22 @@ def main() -> None:
         model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    step, t0 = 0, time.perf_counter()
+    step, used, unlabeled, t0 = 0, 0, 0, time.perf_counter()
     while step < a.steps:
         feed = Prefetcher(loader, device=device, transform=None if a.gpu_decode else transform)
+        steps_before = step
         for batch in feed:
             if a.gpu_decode:
                 batch = gpu_side(batch)
-            labels = batch["label"].clamp(min=0) % classes
+            labels = batch["label"]
+            keep = labels >= 0  # -1: no label; train only on the labeled samples
+            unlabeled += int((~keep).sum())
+            if not bool(keep.any()):
+                continue
+            labels, images = labels[keep], batch["image"][keep]
+            used += len(labels)
             with torch.autocast(device_type=device.type, dtype=amp_dtype):
-                loss = loss_fn(model(batch["image"]), labels)
+                loss = loss_fn(model(images), labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -83,8 +112,11 @@ def main() -> None:
             print(f"step {step} loss={loss.item():.4f}", flush=True)
             if step >= a.steps:
                 break
+        if step == steps_before:
+            sys.exit("train_classifier: a whole epoch held no labeled sample; nothing to train on")
     dt = time.perf_counter() - t0
-    print(f"{step} steps in {dt:.1f} s: {step * a.batch_size / dt:.0f} img/s on {device}")
+    print(f"{step} steps in {dt:.1f} s: {used / dt:.0f} labeled img/s on {device}; trained on {used} labeled "
+          f"samples, skipped {unlabeled} unlabeled")
 
 
 if __name__ == "__main__":

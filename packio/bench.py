@@ -30,15 +30,18 @@ import numpy as np
 
 BATCH = 64
 SIZE = 224
+PRE_RESIZED = ("bmp-256", "lmdb-pre256")  # variants stored pre-resized (short side 256)
+WORKLOADS = {"W1": f"decode + resize to {SIZE}x{SIZE} of every sample, shuffled batches of {BATCH}",
+             "W2": f"pre-resized uint8 {SIZE}x{SIZE} arrays, shuffled batches of {BATCH}, no decode"}
 
-# name → (suffix, convert kwargs, workload kinds it serves)
+# name → (suffix, convert kwargs)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "lmdb": (".lmdb", {}),
     "hdf5": (".h5", {}),
-    "tar": (".tar", {"shard_samples": 1000}),
-    "bmp-256": (".bmp", {"resize": {"short_side": 256}}),
+    "tar": (".wds", {}),  # the default shard count: max(8, 2 x CPUs)
+    "bmp-256": (".bmpdir", {"resize": {"short_side": 256}}),
     "lmdb-pre256": (".lmdb", {"resize": {"short_side": 256}}),
-    "arrays-224": (".npy", {"resize": {"size": [SIZE, SIZE]}}),
+    "arrays-224": (".arrays", {"resize": {"size": [SIZE, SIZE]}}),
     "hdf5-224": (".h5", {"resize": {"size": [SIZE, SIZE]}}),
 }
 
@@ -415,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     # as the loaders (its speed drifts by ±20% over minutes here).
     limits = [("L1_1proc", {"kind": "L1", "procs": 1, "path": packed["lmdb"]["path"]}),
               (f"L1_{ncpu}proc", {"kind": "L1", "procs": ncpu, "path": packed["lmdb"]["path"]}),
+              ("L1_pre256_1proc", {"kind": "L1", "procs": 1, "path": packed["lmdb-pre256"]["path"]}),
               ("L1_pre256", {"kind": "L1", "procs": ncpu, "path": packed["lmdb-pre256"]["path"]}),
               ("L2", {"kind": "L2", "path": packed["arrays-224"]["path"]})]
     runs: list[dict[str, Any]] = []
@@ -451,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             for w in ws:
                 runs.append({"label": name, "kind": "packio", "path": packed[name]["path"], "workload": wl,
                              "workers": w, "cold": True})
+    pre = {packed[n]["path"] for n in PRE_RESIZED}
+    for cfg in runs:  # which limit a run is measured against: what its loader has to decode
+        cfg["data"] = "arrays" if cfg["workload"] == "W2" else "pre-resized" if cfg["path"] in pre else "original"
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(runs))}
     limit_runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in limits}
     for rep in range(repeats):
@@ -477,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, cfg in enumerate(runs):
         rs = results[i]
         errs = [r["error"] for r in rs if "error" in r]
-        row = {**{k: cfg[k] for k in ("label", "workload", "workers", "cold")}, "rate": med(rs, "rate"),
+        row = {**{k: cfg[k] for k in ("label", "workload", "workers", "cold", "data")},
+               "threads": cfg.get("threads", 0), "rate": med(rs, "rate"),
                "first_batch_s": med(rs, "first_batch_s"), "opens_per_sample": med(rs, "opens_per_sample"),
                "peak_rss_mb": med(rs, "peak_rss_mb"), "resident_after_evict": med(rs, "resident_after_evict"),
                "error": errs[0] if errs else None, "runs": [r.get("rate") for r in rs],
@@ -490,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"source": label, "cpus": ncpu, "workers": workers, "repeats": repeats,
               "limits": {"L1_1proc": l1[1], f"L1_{ncpu}proc": l1[ncpu], "L1_pre256": l1_pre,
+                         "L1_pre256_1proc": lim["L1_pre256_1proc"],
                          "L2_per_sample": l2[0], "L2_batched": l2[1]},
               "pack": {**{n: {k: v for k, v in p.items() if k != "path"} for n, p in packed.items()},
                        "bare_lmdb_write_s": bare},
@@ -506,33 +515,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def limit_for(row: dict[str, Any], r: dict[str, Any]) -> tuple[str, float]:
+    """The machine's limit a run is compared with: decode+resize of the bytes its loader
+    decodes (original or pre-resized), in as many processes as it uses; memcpy for arrays."""
+    L, ncpu = r["limits"], r["cpus"]
+    parallel = row["workers"] > 0 or row.get("threads", 0) > 0
+    data = row.get("data", "original")
+    if data == "arrays":
+        return "L2", L["L2_per_sample"]
+    if data == "pre-resized":
+        return ("L1pre", L["L1_pre256"]) if parallel else ("L1pre·1", L.get("L1_pre256_1proc", L["L1_pre256"]))
+    return ("L1", L[f"L1_{ncpu}proc"]) if parallel else ("L1·1", L["L1_1proc"])
+
+
 def render(r: dict[str, Any]) -> str:
     L = r["limits"]
     ncpu = r["cpus"]
-    l1 = L[f"L1_{ncpu}proc"]
-    l2 = L["L2_per_sample"]
     naive = {row["workers"]: row["rate"] for row in r["runs"] if row["label"].startswith("naive")}
     lines = [f"### packio bench — {r['source']}, {ncpu} CPUs, median of {r['repeats']}",
              "",
-             f"Limits: L1 (decode+resize 224 of in-memory bytes) {L['L1_1proc']:.0f}/s in 1 process, "
-             f"{l1:.0f}/s in {ncpu}; L1 on pre-resized (short side 256) bytes {L['L1_pre256']:.0f}/s; "
-             f"L2 (uint8 224² copy from a page-cached memmap) {l2:.0f}/s per sample, {L['L2_batched']:.0f}/s 64 at a time.",
+             f"- **W1**: {WORKLOADS['W1']}, from the original bytes or from bytes stored pre-resized "
+             f"(short side 256: {', '.join(PRE_RESIZED)}).",
+             f"- **W2**: {WORKLOADS['W2']}.",
+             f"- Limits (this machine, same rounds): **L1** decode + resize {SIZE}² of in-memory original bytes: "
+             f"{L['L1_1proc']:.0f}/s in 1 process (L1·1), {L[f'L1_{ncpu}proc']:.0f}/s in {ncpu}; "
+             f"**L1pre** the same on pre-resized bytes: {L.get('L1_pre256_1proc', float('nan')):.0f}/s in 1 "
+             f"(L1pre·1), {L['L1_pre256']:.0f}/s in {ncpu}; **L2** uint8 {SIZE}² copy from a page-cached memmap: "
+             f"{L['L2_per_sample']:.0f}/s per sample, {L['L2_batched']:.0f}/s {BATCH} at a time.",
+             "- **× limit**: samples/s over the limit for the same data and number of processes "
+             "(workers = 0 and no decode threads: the 1-process limit).",
              "",
-             "| loader | workload | workers | cache | samples/s | MB/s | ×L1 | ×L2 | ×naive | opens/sample | peak RSS MB | first batch s |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| loader | workload | data | workers | cache | samples/s | MB/s | × limit | ×naive | opens/sample "
+             "| peak RSS MB | first batch s |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["runs"]:
+        head = f"| {row['label']} | {row['workload']} | {row.get('data', '')} | {row['workers']} | "
         if row["error"]:
-            lines.append(f"| {row['label']} | {row['workload']} | {row['workers']} | "
-                         f"{'cold' if row['cold'] else 'warm'} | error: {row['error']} |||||||")
+            lines.append(head + f"{'cold' if row['cold'] else 'warm'} | error: {row['error']} |||||||")
             continue
-        x1 = f"{row['rate'] / l1:.2f}" if row["workload"] == "W1" else ""
-        x2 = f"{row['rate'] / l2:.2f}" if row["workload"] == "W2" else ""
+        name, lim = limit_for(row, r)
         xn = f"{row['rate'] / naive[row['workers']]:.1f}" if naive.get(row["workers"]) and row["workload"] == "W1" else ""
         cold = "warm" if not row["cold"] else f"cold ({row['resident_after_evict'] * 100:.0f}% resident)"
         mbs = "" if row["mb_s"] != row["mb_s"] else f"{row['mb_s']:.0f}"
-        lines.append(f"| {row['label']} | {row['workload']} | {row['workers']} | {cold} | {row['rate']:.0f} | {mbs} | "
-                     f"{x1} | {x2} | {xn} | {row['opens_per_sample']:.4f} | {row['peak_rss_mb']:.0f} | "
-                     f"{row['first_batch_s']:.2f} |")
+        lines.append(head + f"{cold} | {row['rate']:.0f} | {mbs} | {row['rate'] / lim:.2f} ({name}) | {xn} | "
+                     f"{row['opens_per_sample']:.4f} | {row['peak_rss_mb']:.0f} | {row['first_batch_s']:.2f} |")
     lines += ["", "| format | pack s | MB on disk | samples |", "|---|---:|---:|---:|"]
     for n, p in r["pack"].items():
         if isinstance(p, dict):
@@ -548,27 +574,72 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# One chart per workload and data kind, each with the limits that apply to it.
+PANELS = (("W1", "original", f"W1 from original bytes: {WORKLOADS['W1']}"),
+          ("W1", "pre-resized", "W1 from pre-resized bytes (short side 256): decode + resize to "
+                                f"{SIZE}x{SIZE}, batches of {BATCH}"),
+          ("W2", "arrays", f"W2: {WORKLOADS['W2']}"))
+
+
 def plot(r: dict[str, Any], path: Path) -> None:
+    """The report's chart: horizontal bars (samples/s, value on each bar), colour = workers
+    or decode threads, hatched = cold page cache, red lines = the machine's limits for that data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     rows = [x for x in r["runs"] if not x["error"]]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
-    for ax, wl in zip(axes, ("W1", "W2")):
-        sel = [x for x in rows if x["workload"] == wl]
-        labels = [f"{x['label']}\nw={x['workers']} {'cold' if x['cold'] else 'warm'}" for x in sel]
-        ax.barh(range(len(sel)), [x["rate"] for x in sel], color=["#4c72b0" if not x["cold"] else "#8172b2" for x in sel])
-        ax.set_yticks(range(len(sel)), labels, fontsize=7)
-        ref = r["limits"][f"L1_{r['cpus']}proc"] if wl == "W1" else r["limits"]["L2_per_sample"]
-        ax.axvline(ref, color="red", ls="--", label=("L1" if wl == "W1" else "L2") + f" {ref:.0f}/s")
-        ax.set_xlabel("samples/s")
-        ax.set_title(f"{wl}: {'decode+resize 224' if wl == 'W1' else 'pre-resized uint8 224²'}")
-        ax.legend()
-    fig.suptitle(f"packio bench — {r['source']}")
+    panels = [(wl, data, title, [x for x in rows if x["workload"] == wl and x.get("data", "original") == data])
+              for wl, data, title in PANELS]
+    panels = [p for p in panels if p[3]]
+    heights = [len(p[3]) + 2.5 for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(15, 0.34 * sum(heights) + 1.2),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    L, ncpu = r["limits"], r["cpus"]
+    palette = ["#4c72b0", "#dd8452", "#55a868", "#8172b2", "#937860"]
+    kinds = sorted({(x["workers"], x.get("threads", 0)) for x in rows}, key=lambda k: (k[1] > 0, k[0]))
+    colours = {k: palette[i % len(palette)] for i, k in enumerate(kinds)}
+
+    def kind_label(k: tuple[int, int]) -> str:
+        w, t = k
+        return (f"{t} decode threads in 1 process" if t else
+                "num_workers=0 (1 process)" if w == 0 else f"num_workers={w}")
+    refs = {"original": [(f"L1 decode+resize limit, 1 process: {L['L1_1proc']:.0f}/s", L["L1_1proc"], ":"),
+                         (f"L1 decode+resize limit, {ncpu} processes: {L[f'L1_{ncpu}proc']:.0f}/s",
+                          L[f"L1_{ncpu}proc"], "--")],
+            "pre-resized": [(f"L1pre limit (pre-resized bytes), 1 process: "
+                             f"{L.get('L1_pre256_1proc', float('nan')):.0f}/s", L.get("L1_pre256_1proc"), ":"),
+                            (f"L1pre limit (pre-resized bytes), {ncpu} processes: {L['L1_pre256']:.0f}/s",
+                             L["L1_pre256"], "--")],
+            "arrays": [(f"L2 memcpy limit, per sample: {L['L2_per_sample']:.0f}/s", L["L2_per_sample"], ":"),
+                       (f"L2 memcpy limit, {BATCH} at a time: {L['L2_batched']:.0f}/s", L["L2_batched"], "--")]}
+    for ax, (wl, data, title, sel) in zip(axes[:, 0], panels):
+        sel = sorted(sel, key=lambda x: (x["label"], x["workers"], x["cold"]))
+        y = list(range(len(sel)))[::-1]
+        keys = [(x["workers"], x.get("threads", 0)) for x in sel]
+        bars = ax.barh(y, [x["rate"] for x in sel], color=[colours[k] for k in keys],
+                       hatch=["//" if x["cold"] else "" for x in sel], edgecolor="white", height=0.7)
+        ax.bar_label(bars, labels=[f"{x['rate']:,.0f}" for x in sel], padding=3, fontsize=8)
+        ax.set_yticks(y, [x["label"] + ("" if x.get("threads") else f"  ·  num_workers={x['workers']}")
+                          + ("  ·  cold" if x["cold"] else "") for x in sel], fontsize=8)
+        top = max([x["rate"] for x in sel] + [v for _, v, _ in refs[data] if v])
+        handles = [Patch(color=colours[k], label=kind_label(k)) for k in kinds if k in keys]
+        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="cold page cache"))
+        for label, value, style in refs[data]:
+            if value:
+                handles.append(ax.axvline(value, color="#c44e52", ls=style, lw=1.2, label=label))
+        ax.set_xlim(0, top * 1.18)
+        ax.set_xlabel("samples per second (higher is better)")
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        ax.grid(axis="x", alpha=0.3)
+    runs = f"median of {r['repeats']} runs" if r["repeats"] > 1 else "1 run"
+    fig.suptitle(f"packio bench — {r['source']}, {ncpu} CPUs, {runs} each", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -4,16 +4,65 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-from typing import Sequence
+from typing import Callable, NoReturn, Sequence
+
+MAX_SIDE = 16384  # pixels: the largest --size / --short-side / --crop side accepted
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, ``packio: error: ...``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"packio: error: {message} (see '{self.prog} --help')\n")
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer from {lo} to {hi}, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is out of range: give an integer from {lo} to {hi}")
+        return v
+
+    return parse
+
+
+def _workers(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _int_in(0, 1024)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer from 0 to 1024, got {text!r}") from None
+
+
+def _bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)i?b?\s*", text.lower())
+    v = int(m[1]) * _UNITS[m[2]] if m else 0
+    if not m or not 1 << 20 <= v <= 1 << 50:
+        raise argparse.ArgumentTypeError(f"expected a size from 1M to 1024T, like 512M or 1G, got {text!r}")
+    return v
 
 
 def _hw(text: str) -> tuple[int, int]:
     h, sep, w = text.lower().partition("x")
+    side = _int_in(1, MAX_SIDE)
     try:
-        return (int(h), int(w)) if sep else (int(h), int(h))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HxW like 224x224 (or one number), got {text!r}") from None
+        return (side(h), side(w)) if sep else (side(h), side(h))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected HxW like 224x224 (or one number), each side an integer "
+                                         f"from 1 to {MAX_SIDE}, got {text!r}") from None
+
+
+def _address(text: str) -> str:
+    if not re.fullmatch(r"(?:(?:tcp|tls|ucx|inproc|ws|wss)://)?(?:\[[0-9A-Fa-f:]+\]|[\w.-]+):\d{1,5}", text):
+        raise argparse.ArgumentTypeError(f"expected a Dask scheduler address like tcp://host:8786, got {text!r}")
+    return text
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
@@ -25,11 +74,14 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         spec = ResizeSpec(size=a.size, short_side=a.short_side, crop=a.crop)
     except ValueError as exc:
         raise SystemExit(f"packio: error: {exc}") from None
-    summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=parse_columns(a.csv_columns),
-                      workers=a.workers, strict=a.strict, resize=spec, quality=a.quality,
-                      overwrite=a.overwrite, shard_samples=a.shard_samples, shard_bytes=a.shard_bytes,
-                      progress=False if a.quiet else None, scheduler=a.scheduler, parts=a.parts,
-                      follow_symlinks=a.follow_symlinks)
+    columns = parse_columns(a.csv_columns)
+    if a.label_column:
+        columns["label"] = a.label_column
+    summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=columns,
+                      workers=a.workers, strict=a.strict, resize=spec, encode=a.encode, quality=a.quality,
+                      overwrite=a.overwrite, shards=a.shards, shard_samples=a.shard_samples,
+                      shard_bytes=a.shard_bytes, progress=False if a.quiet else None, scheduler=a.scheduler,
+                      parts=a.parts, follow_symlinks=a.follow_symlinks)
     shown = summary.problems if a.verbose else summary.problems[:20]
     for line in shown:
         print(f"skipped: {line}", file=sys.stderr)
@@ -42,6 +94,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
 def _cmd_info(a: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from packio.converter import describe_history, describe_output
     from packio.formats import open_reader
 
     reader = open_reader(a.path)
@@ -56,8 +109,13 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"samples:  {m.count}")
     print(f"bytes:    {size} ({size / 1e6:.1f} MB on disk)")
     print(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
-    print(f"images:   {json.dumps(m.image)}")
+    for line in describe_output(p, m):
+        print(line)
+    shape = m.image.get("shape")
+    print(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
     print(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))
+    for i, line in enumerate(describe_history(m)):
+        print(f"{'history:' if i == 0 else '':9s} {line}")
     print(f"skipped:  {json.dumps(m.summary.get('skipped', {}))}")
     print(f"files:    {len(m.files)} listed with checksums")
     return 0
@@ -72,37 +130,54 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="packio", description="Pack image datasets once; read them fast.")
+    p = _Parser(prog="packio", description="Pack image datasets once; read them fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("convert", help="pack an image folder (+ CSV) or a packed dataset into a format",
-                       description="Pack SRC into DST. The format comes from DST's suffix "
-                                   "(.lmdb .h5 .tar .bmp .npy) or --format.")
+                       description="Pack SRC into DST. The format comes from DST's suffix: x.lmdb/ (LMDB), "
+                                   "x.h5 (HDF5 file), x.wds/ (folder of WebDataset shard-NNNNNN.tar), "
+                                   "x.bmpdir/ (pre-resized BMP files), x.arrays/ (pre-resized images.npy), "
+                                   "or from --format.")
     c.add_argument("src", help="image folder (class sub-folders or flat), or a packed dataset")
-    c.add_argument("dst", help="output path; its suffix picks the format")
-    c.add_argument("--format", help="lmdb, hdf5, tar, bmp or arrays (default: from DST's suffix)")
+    c.add_argument("dst", help="output path; its suffix picks the format (.lmdb .h5 .wds .bmpdir .arrays)")
+    c.add_argument("--format", choices=["lmdb", "hdf5", "tar", "bmp", "arrays"],
+                   help="the output format (default: from DST's suffix)")
     c.add_argument("--csv", help="CSV of annotation rows (filename,class,xmin,ymin,xmax,ymax,...)")
     c.add_argument("--csv-columns", metavar="MAP",
                    help="map fields to your CSV's columns, e.g. filename=path,class=cell_type")
-    c.add_argument("--workers", type=int, default=0, help="local processes reading/checking inputs (default 0)")
-    c.add_argument("--scheduler", metavar="ADDR",
+    c.add_argument("--label-column", metavar="COL",
+                   help="the CSV column that labels the images (default: 'label'; without box columns, "
+                        "'label' or else 'class')")
+    c.add_argument("--workers", type=_workers, default="auto", metavar="N|auto",
+                   help="local processes reading/checking inputs, 0 to 1024; 'auto' (default) times the first "
+                        "inputs and uses processes only when they pay off")
+    c.add_argument("--scheduler", metavar="ADDR", type=_address,
                    help="Dask scheduler (tcp://host:8786): pack partitions as parts on the cluster (packio[dask])")
-    c.add_argument("--parts", type=int, help="with --scheduler: number of parts (default 4 per Dask worker)")
+    c.add_argument("--parts", type=_int_in(1, 10**6), help="with --scheduler: number of parts (default 4 per "
+                                                            "Dask worker)")
     c.add_argument("--strict", action="store_true", help="fail on any skipped input instead of counting it")
-    c.add_argument("--size", type=_hw, metavar="HxW", help="pre-resize every image to HxW")
-    c.add_argument("--short-side", type=int, metavar="N", help="pre-resize so the short side is N (keeps aspect)")
+    c.add_argument("--size", type=_hw, metavar="HxW", help=f"pre-resize every image to HxW (sides 1 to {MAX_SIDE})")
+    c.add_argument("--short-side", type=_int_in(1, MAX_SIDE), metavar="N",
+                   help=f"pre-resize so the short side is N, 1 to {MAX_SIDE} (keeps aspect)")
     c.add_argument("--crop", type=_hw, metavar="HxW", help="center-crop to HxW after resizing")
-    c.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding resized images")
+    c.add_argument("--encode", choices=["keep", "jpeg", "png", "bmp"], default="keep",
+                   help="image encoding stored: 'keep' (default) stores each image's bytes as found when the "
+                        "format can hold them (resized images keep their encoding); jpeg/png/bmp re-encode")
+    c.add_argument("--quality", type=_int_in(1, 100), default=90, help="JPEG quality 1 to 100 when encoding JPEG")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it is a packio dataset (atomically)")
     c.add_argument("--follow-symlinks", action="store_true",
                    help="follow symlinks in SRC leading outside it, and symlinked folders (default: skipped, counted)")
-    c.add_argument("--shard-samples", type=int, default=10_000, help="tar: samples per shard")
-    c.add_argument("--shard-bytes", type=int, default=1 << 30, help="tar: bytes per shard")
+    c.add_argument("--shards", type=_int_in(1, 10**7), metavar="N",
+                   help="tar: number of shards (default: max(8, 2 x CPUs), at least 8 samples each)")
+    c.add_argument("--shard-samples", type=_int_in(1, 10**9), metavar="N",
+                   help="tar: samples per shard instead of --shards")
+    c.add_argument("--shard-bytes", type=_bytes, default=1 << 30, metavar="SIZE",
+                   help="tar: a shard ends at this size too, like 512M (default 1G)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--verbose", action="store_true", help="list every skipped input")
     c.set_defaults(fn=_cmd_convert)
 
-    i = sub.add_parser("info", help="show what a packed dataset holds")
+    i = sub.add_parser("info", help="show what a packed dataset holds, how to open it, and its history")
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     i.set_defaults(fn=_cmd_info)

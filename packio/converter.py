@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import functools
+import math
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import threading
@@ -26,15 +29,28 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from packio import decode as dec
+from packio import geometry as geo
 from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError, SourceError
-from packio.formats import format_for_path, get_format, open_reader
 from packio.formats import base as formats_base
+from packio.formats import format_for_path, formats, get_format, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.sample import Sample, checksum
-from packio.sources import SourceItem, scan_source
+from packio.sources import SourceItem, boxes_to_stored_frame, scan_source
 
 TMP_MARK = ".packio-tmp-"
+REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
+ENCODE_CHOICES = ("keep", "jpeg", "png", "bmp")
+# Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
+MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
+# workers="auto": time the first inputs here, then use processes only when each input costs at
+# least AUTO_MIN_TASK_S and the rest at least AUTO_MIN_REST_S in one process: starting a pool
+# cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (tools/bench_workers.py).
+AUTO_PROBE, AUTO_PROBE_S, AUTO_MIN_TASK_S, AUTO_MIN_REST_S = 16, 0.3, 0.002, 3.0
+# Suffixes that promise one file, where the format writes a folder: (format, what breaks, name to use).
+_FILE_SUFFIXES = {".tar": ("tar", "`tar tf` and webdataset", ".wds"),
+                  ".npy": ("arrays", "np.load", ".arrays"),
+                  ".bmp": ("bmp", "image viewers", ".bmpdir")}
 
 
 @dataclass
@@ -47,15 +63,21 @@ class Summary:
     bytes: int = 0
     seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest | None = None
 
     def text(self) -> str:
         skipped = sum(self.skipped.values())
         lines = [f"packed {self.packed} samples into {self.output} ({self.format}, "
                  f"{self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s"]
+        if self.manifest is not None:
+            lines += describe_output(Path(self.output), self.manifest)
+        if self.info.get("workers"):
+            lines.append(f"workers:  {self.info['workers']}")
         lines.append(f"skipped {skipped}" + (":" if skipped else ""))
         lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
         if self.info.get("duplicate_content"):
             lines.append(f"note: {self.info['duplicate_content']} samples are byte-identical to another (kept)")
+        lines += [f"note: {n} x {what}" for what, n in sorted(self.info.get("notes", {}).items())]
         return "\n".join(lines)
 
 
@@ -63,47 +85,70 @@ class Summary:
 class _Prep:
     """What each worker needs to turn one input into a stored Sample."""
 
-    payload: str  # target format's payload kind
+    payload: str  # target format's payload kind: "encoded", "raw" or "bmp"
     resize: dec.ResizeSpec
     quality: int
     max_pixels: int
     reader: Reader | None = None  # set when the source is a packed dataset
+    encode: str = "keep"  # "keep" or the encoding every stored image gets
+    shape: tuple[int, int] | None = None  # (h, w) every stored image must have
 
 
-Result = tuple[Sample | None, str, str]  # (sample, skip reason, where)
+# (sample or None, skip reason or - for a sample - what was done to it ("jpeg kept", "bmp→jpeg")
+# followed by "; "-separated notes for the summary, where)
+Result = tuple[Sample | None, str, str]
 
 
-def _finish(prep: _Prep, s: Sample, where: str) -> Result:
-    """Re-encode / resize a sample for the target payload kind."""
+def _target_encoding(prep: _Prep, found: str) -> str:
+    """The stored encoding: the target's only one, else what was asked, else the one found
+    (raw pixels into an encoded format: lossless PNG, said in the summary)."""
+    if prep.payload in ("raw", "bmp"):
+        return prep.payload
+    if prep.encode != "keep":
+        return prep.encode
+    return "png" if found == "raw" else found
+
+
+def _finish(prep: _Prep, s: Sample, where: str, orientation: int | None = None) -> Result:
+    """Keep the sample's bytes when the target stores them as they are; otherwise decode,
+    resize and encode it as the target asks.
+
+    Stored images are always upright: an EXIF orientation is applied here to the
+    pixels and the boxes together (``s.boxes`` are in the frame of ``s.payload`` as
+    stored), and the image re-encoded even when it would otherwise be kept as found."""
     limit = formats_base.MAX_BOXES  # the readers' limit: such a record could never be read back
     if len(s.boxes) > limit:
         return None, f"more than {limit} boxes in one image", f"{where} ({len(s.boxes)} boxes)"
-    if not prep.resize.active and (
-            (prep.payload == "encoded" and s.encoding != "raw") or (prep.payload == s.encoding)):
-        return s, "", where
+    if orientation is None:
+        orientation = 1 if isinstance(s.payload, np.ndarray) else dec.exif_orientation(s.payload)
+    found = s.encoding
+    to = _target_encoding(prep, found)
+    if orientation == 1 and not prep.resize.active and to == found and (
+            prep.shape is None or (s.height, s.width) == prep.shape):
+        return s, f"{found} kept", where
     if isinstance(s.payload, np.ndarray):
         img = s.payload
     else:
         try:
-            img = dec.decode(s.payload, apply_exif=True)
+            img = dec.decode(s.payload)  # pixels as stored; the orientation is applied below, with the boxes
         except ValueError as exc:
             return None, "corrupt image data", f"{where} ({exc})"
     boxes, box_labels = s.boxes, s.box_labels
+    if orientation != 1:
+        boxes = geo.orient(boxes, orientation, img.shape[1], img.shape[0])
+        img = np.ascontiguousarray(geo.orient_image(img, orientation))
     if prep.resize.active:
-        img, boxes, keep = dec.apply_spec(img, boxes, prep.resize)
-        boxes, box_labels = boxes[keep], box_labels[keep]
-    if prep.payload == "raw":
-        payload, enc = img, "raw"
-    elif prep.payload == "bmp":
-        payload, enc = dec.encode(img, "bmp"), "bmp"
-    elif prep.resize.active:
-        payload, enc = dec.encode(img, "jpeg", prep.quality), "jpeg"
-    else:  # raw pixels into an encoded format, no resize asked: keep them lossless
-        payload, enc = dec.encode(img, "png"), "png"
-    out = Sample(key=s.key, payload=payload, encoding=enc, label=s.label, boxes=boxes,
-                 box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=s.meta)
+        img, boxes, box_labels = dec.apply_spec(img, boxes, box_labels, prep.resize)
+    if prep.shape is not None and img.shape[:2] != prep.shape:
+        return None, "image shape differs from the dataset's fixed shape", f"{where} ({img.shape[1]}x{img.shape[0]})"
+    # only turned upright (same encoding, no resize): a lossy source is re-encoded at high quality
+    quality = max(prep.quality, 95) if to == found and not prep.resize.active else prep.quality
+    payload = img if to == "raw" else dec.encode(img, to, quality)
+    meta = dict(s.meta, exif_orientation=orientation) if orientation != 1 else s.meta
+    out = Sample(key=s.key, payload=payload, encoding=to, label=s.label, boxes=boxes,
+                 box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=meta)
     out.checksum = checksum(out.payload)
-    return out, "", where
+    return out, f"{found}→{to}" + (f"; {REORIENTED}" if orientation != 1 else ""), where
 
 
 def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
@@ -127,11 +172,16 @@ def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
         return None, "image too large (decompression bomb guard)", f"{item.path} ({w}x{h})"
     if enc == "jpeg" and b"\xff\xd9" not in data[-4096:]:
         return None, "truncated JPEG (no end marker)", item.path
-    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label,
-               boxes=np.asarray(item.boxes, np.float32).reshape(-1, 4),
+    orientation = dec.exif_orientation(data)
+    placed = boxes_to_stored_frame(item, w, h, orientation)
+    if isinstance(placed, str):
+        return None, "CSV width/height fit neither the image nor its EXIF-upright view", f"{item.path} ({placed})"
+    boxes, notes = placed
+    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label, boxes=boxes,
                box_labels=np.asarray(item.box_labels, np.int64), width=w, height=h)
     s.checksum = checksum(data)
-    return _finish(prep, s, item.path)
+    out, note, where = _finish(prep, s, item.path, orientation)
+    return out, "; ".join(filter(None, [note, *notes])) if out is not None else note, where
 
 
 def _prepare_packed(prep: _Prep, index: int) -> Result:
@@ -158,7 +208,30 @@ def _call(task: Any) -> Result:
     return _WORKER_FN(task)
 
 
-def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int) -> Iterator[Result]:
+def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int | str,
+             chosen: dict[str, Any] | None = None) -> Iterator[Result]:
+    """``fn`` over ``tasks``, in this process or a pool. ``workers="auto"`` times the first
+    inputs here and starts processes only where they pay off (``chosen["workers"]`` says why)."""
+    chosen = {} if chosen is None else chosen
+    if workers == "auto":
+        spent, done = 0.0, 0
+        while done < min(len(tasks), AUTO_PROBE) and (done < 3 or spent < AUTO_PROBE_S):
+            t = time.perf_counter()
+            result = fn(tasks[done])
+            if done:  # the first input pays one-time costs (imports, decoder set-up): not counted
+                spent += time.perf_counter() - t
+            done += 1
+            yield result
+        per, rest = spent / max(done - 1, 1), len(tasks) - done
+        free = _free_cpus()
+        workers = auto_workers(per, rest, free)
+        why = ("processes pay off" if workers > 1 else
+               f"the CPUs are busy: fewer than 2 idle of {_cpus()}" if free < 2 and per * rest >= AUTO_MIN_REST_S
+               and per >= AUTO_MIN_TASK_S else "one process is fastest for inputs this quick")
+        chosen["workers"] = f"auto → {workers} ({per * 1e3:.1f} ms per input measured; {why})"
+        tasks = tasks[done:]
+    else:
+        chosen["workers"] = f"{workers}" + (" (inputs read in this process)" if workers <= 1 else " processes")
     if workers <= 1:
         yield from map(fn, tasks)
         return
@@ -169,6 +242,41 @@ def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int) -> Ite
     # fn (with a packed source's reader and its index) goes to each process once, not with every chunk
     with ctx.Pool(workers, initializer=_init_worker, initargs=(fn,)) as pool:
         yield from pool.imap(_call, tasks, chunksize=8)
+
+
+def auto_workers(per_task_s: float, rest: int, free_cpus: float | None = None) -> int:
+    """Processes for ``rest`` more inputs that each took ``per_task_s`` here: 0 (this
+    process) unless each input is slow enough to outweigh sending it between processes,
+    the rest long enough to outweigh starting them, and at least two CPUs are idle
+    (``free_cpus``: CPUs minus the load of other processes; on a busy machine
+    processes only queue behind each other)."""
+    if free_cpus is None:
+        free_cpus = _free_cpus()
+    if per_task_s < AUTO_MIN_TASK_S or per_task_s * rest < AUTO_MIN_REST_S or free_cpus < 2:
+        return 0
+    return int(free_cpus)
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _free_cpus() -> float:
+    try:
+        others = max(0.0, os.getloadavg()[0] - 1.0)  # this process is one of the running ones
+    except (AttributeError, OSError):
+        others = 0.0
+    return _cpus() - others
+
+
+def plan_shards(count: int, shards: int | None = None) -> int:
+    """How many tar shards ``count`` samples get: ``shards`` when given (at most one per
+    sample), else max(8, 2 x CPUs here, count / MAX_SHARD_SAMPLES) so that every
+    DataLoader worker of a few ranks has shards of its own, but none under
+    MIN_SHARD_SAMPLES samples (a dataset that small gets fewer shards)."""
+    if shards is None:
+        shards = min(max(8, 2 * _cpus(), math.ceil(count / MAX_SHARD_SAMPLES)), count // MIN_SHARD_SAMPLES)
+    return max(1, min(shards, count))
 
 
 def _progress(total: int, enabled: bool | None) -> Any:
@@ -193,18 +301,29 @@ def _clean_stale(dst: Path) -> None:
 
 
 def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv: str | Path | None = None,
-            columns: dict[str, str] | None = None, workers: int = 0, strict: bool = False,
-            resize: dec.ResizeSpec | None = None, quality: int = 90, overwrite: bool = False,
-            shard_samples: int = 10_000, shard_bytes: int = 1 << 30, progress: bool | None = None,
-            max_pixels: int = dec.MAX_PIXELS, scheduler: Any = None, parts: int | None = None,
-            follow_symlinks: bool = False) -> Summary:
+            columns: dict[str, str] | None = None, workers: int | str = "auto", strict: bool = False,
+            resize: dec.ResizeSpec | None = None, encode: str = "keep", quality: int = 90,
+            overwrite: bool = False, shards: int | None = None, shard_samples: int | None = None,
+            shard_bytes: int = 1 << 30, progress: bool | None = None, max_pixels: int = dec.MAX_PIXELS,
+            scheduler: Any = None, parts: int | None = None, follow_symlinks: bool = False) -> Summary:
     """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
 
-    The format comes from ``format`` or ``dst``'s suffix. Bad inputs are skipped
-    and counted in the returned Summary; ``strict=True`` turns any skip into a
-    ``SourceError``. ``dst`` appears only when complete.
+    The format comes from ``format`` or ``dst``'s suffix (``.lmdb`` ``.h5`` ``.wds``
+    ``.bmpdir`` ``.arrays``; see the README's naming conventions). Bad inputs are
+    skipped and counted in the returned Summary; ``strict=True`` turns any skip into a
+    ``SourceError``; a source with nothing to pack is a ``SourceError``. ``dst``
+    appears only when complete.
 
-    ``workers=N``: N local processes read and check inputs; one process writes.
+    ``encode="keep"`` stores each image's bytes as found when the target can hold
+    them (re-encoding in the same encoding only when resized); ``"jpeg"`` (at
+    ``quality``), ``"png"`` or ``"bmp"`` re-encode every image that is not already
+    so. The manifest records what was done (``image.history``, ``image.encodings``).
+
+    Tar: ``shards`` (default: see ``plan_shards``) or ``shard_samples`` per shard;
+    a shard also ends at ``shard_bytes``.
+
+    ``workers``: ``"auto"`` (time the first inputs, then use processes only when they
+    pay off), or N local processes reading and checking inputs; one process writes.
     ``scheduler``: a Dask scheduler address (``"tcp://host:8786"``), ``Client`` or
     cluster: the listing is split into ``parts`` contiguous partitions, each packed
     by one task into its own part; the parts are committed under one manifest once
@@ -218,13 +337,17 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(str(dst).rstrip("/"))
-    spec: FormatSpec = get_format(format) if format else format_for_path(dst)
+    spec = output_format(dst, format)
     resize = resize or dec.ResizeSpec()
-    if not 1 <= quality <= 100:
-        raise PackioError(f"JPEG quality must be 1..100, got {quality}")
-    if spec.needs_fixed_shape and resize.fixed_shape is None:
-        raise PackioError(f"the {spec.name} format stores one image shape: give --size HxW, "
-                          f"or --short-side N with --crop HxW")
+    _check_numbers(quality=quality, workers=workers, shards=shards, shard_samples=shard_samples,
+                   shard_bytes=shard_bytes, parts=parts)
+    if encode not in ENCODE_CHOICES:
+        raise PackioError(f"encode must be one of {', '.join(ENCODE_CHOICES)}, got {encode!r}")
+    if encode not in ("keep", spec.payload) and spec.payload != "encoded":
+        raise PackioError(f"the {spec.name} format stores {'BMP' if spec.payload == 'bmp' else 'decoded uint8 pixels'}"
+                          f" only; drop --encode {encode} (or choose another output format)")
+    if shards is not None and shard_samples is not None:
+        raise PackioError("give the number of shards or the samples per shard, not both")
     packed_src = (src / MANIFEST_NAME).is_file() or src.is_file() or _looks_like_shards(src)
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
@@ -235,36 +358,63 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     with _terminate_cleanly(), _output_lock(dst):
         _check_output(dst, overwrite)  # again, under the lock
         return _convert(src, dst, spec, resize, packed_src, t0, csv=csv, columns=columns, workers=workers,
-                        strict=strict, quality=quality, overwrite=overwrite, shard_samples=shard_samples,
-                        shard_bytes=shard_bytes, progress=progress, max_pixels=max_pixels, scheduler=scheduler,
-                        parts=parts, follow_symlinks=follow_symlinks)
+                        strict=strict, encode=encode, quality=quality, overwrite=overwrite, shards=shards,
+                        shard_samples=shard_samples, shard_bytes=shard_bytes, progress=progress,
+                        max_pixels=max_pixels, scheduler=scheduler, parts=parts, follow_symlinks=follow_symlinks)
 
 
 def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, packed_src: bool, t0: float, *,
-             csv: str | Path | None, columns: dict[str, str] | None, workers: int, strict: bool, quality: int,
-             overwrite: bool, shard_samples: int, shard_bytes: int, progress: bool | None, max_pixels: int,
-             scheduler: Any, parts: int | None, follow_symlinks: bool) -> Summary:
+             csv: str | Path | None, columns: dict[str, str] | None, workers: int | str, strict: bool,
+             encode: str, quality: int, overwrite: bool, shards: int | None, shard_samples: int | None,
+             shard_bytes: int, progress: bool | None, max_pixels: int, scheduler: Any, parts: int | None,
+             follow_symlinks: bool) -> Summary:
     """convert() once its arguments are checked and the output is locked."""
     summary = Summary(output=str(dst), format=spec.name)
-    payload = spec.payload_for(resize.fixed_shape)
+    notes: Counter[str] = Counter()
+    history: list[dict[str, Any]] = []
+    fixed = resize.fixed_shape
     if packed_src:
         reader = open_reader(src)
         classes = list(reader.manifest.classes)
         tasks: list[Any] = list(range(len(reader)))
-        fn = functools.partial(_prepare_packed, _Prep(payload, resize, quality, max_pixels, reader))
+        history = _history_of(reader.manifest)
+        if fixed is None and not resize.active:  # a fixed-shape source keeps its shape (e.g. arrays → hdf5)
+            fixed = _declared_shape(reader.manifest)
         source_info: dict[str, Any] = {"path": str(src), "packed_format": reader.manifest.format}
+        if not tasks:
+            raise SourceError(f"{src}: the packed dataset holds no samples; nothing to convert")
     else:
         scan = scan_source(src, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
         summary.skipped.update(scan.skipped)
         summary.problems += scan.problems
+        notes.update(scan.notes)
         classes, tasks = scan.classes, scan.items
-        fn = functools.partial(_prepare_file, _Prep(payload, resize, quality, max_pixels))
         source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
+        if not tasks:
+            skipped = sum(scan.skipped.values())
+            raise SourceError(f"{src}: no image files found" + (f" ({skipped} entries skipped: "
+                              + "; ".join(scan.problems[:3]) + ")" if skipped else "")
+                              + "; give a folder holding images (class sub-folders or flat)")
+    if spec.needs_fixed_shape and fixed is None:
+        raise PackioError(f"the {spec.name} format stores one image shape: give --size HxW, "
+                          f"or --short-side N with --crop HxW")
+    payload = "encoded" if spec.payload == "encoded" and encode != "keep" else spec.payload_for(fixed)
+    prep = _Prep(payload, resize, quality, max_pixels, encode=encode,
+                 shape=fixed if payload == "raw" else None)
+    if packed_src:
+        fn = functools.partial(_prepare_packed, dataclasses.replace(prep, reader=reader))
+    else:
+        fn = functools.partial(_prepare_file, prep)
+    history.append({"from": (f"{reader.manifest.format} dataset" if packed_src else "image folder"),
+                    "source": str(src), "to": spec.name, "resize": resize.to_json() if resize.active else None,
+                    "encode": encode, "quality": quality})
     image = {"payload": payload, "resize": resize.to_json() if resize.active else None,
-             "quality": quality if resize.active else None,
-             "shape": list(resize.fixed_shape) + [3] if resize.fixed_shape else None}
-    job = _Job(spec.name, WriteOptions(shard_samples=shard_samples, shard_bytes=shard_bytes,
-                                       fixed_shape=resize.fixed_shape if payload == "raw" else None),
+             "quality": quality, "encode": encode,
+             "shape": list(fixed) + [3] if fixed else None, "history": history}
+    n_shards = plan_shards(len(tasks), shards) if shard_samples is None else 0
+    job = _Job(spec.name, WriteOptions(shard_samples=shard_samples or MAX_SHARD_SAMPLES, shard_bytes=shard_bytes,
+                                       fixed_shape=fixed if payload == "raw" else None,
+                                       shards=n_shards, expected=len(tasks)),
                classes, image, source_info, strict)
 
     _clean_stale(dst)
@@ -272,13 +422,21 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, pac
     try:
         if scheduler is None:
             part = _write_part(job, fn, tasks, tmp, workers=workers, progress=progress,
-                               skipped=Counter(summary.skipped))
+                               skipped=Counter(summary.skipped), notes=Counter(notes))
         else:
-            part = _write_parts(job, fn, tasks, tmp, scheduler, parts, progress, Counter(summary.skipped))
+            part = _write_parts(job, fn, tasks, tmp, scheduler, parts, progress, Counter(summary.skipped),
+                                Counter(notes))
+        if not part["count"]:
+            raise SourceError(f"{src}: none of its {len(tasks)} inputs could be packed ("
+                              + "; ".join(f"{n} {r}" for r, n in sorted(part["skipped"].items()))
+                              + "); nothing was written")
         summary.skipped = Counter(part["skipped"])
         summary.problems += part["problems"]
         summary.packed = part["count"]
         summary.info["duplicate_content"] = part["duplicate_content"]
+        summary.info["notes"] = dict(part["notes"])
+        summary.info["workers"] = part.get("workers")
+        summary.manifest = part["manifest"]
         _fsync_tree(tmp)
         _commit(tmp, dst, overwrite)
     except OSError as exc:
@@ -291,6 +449,59 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, pac
     summary.bytes = _size(dst)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def output_format(dst: Path, format: str | None = None) -> FormatSpec:
+    """The format ``dst`` is written in, refusing names that promise something else:
+    a folder named ``out.tar`` breaks ``tar tf out.tar``, one named ``x.npy`` breaks ``np.load``."""
+    suffix = dst.suffix.lower()
+    spec = get_format(format) if format else None
+    if suffix in _FILE_SUFFIXES and (spec is None or suffix not in spec.suffixes):
+        name, breaks, better = _FILE_SUFFIXES[suffix]
+        if spec is not None and spec.name != name:
+            raise FormatError(f"{dst}: '{suffix}' names a {suffix[1:]} file, not the {spec.name} format; "
+                              f"name the output {dst.with_suffix(spec.suffixes[0])}")
+        inside = {"tar": " (it will hold shard-NNNNNN.tar files + packio.json)",
+                  "arrays": " (it will hold images.npy, labels.npy, ... + packio.json)"}.get(name, "")
+        raise FormatError(f"{dst}: '{suffix}' names one file, but the {name} format writes a folder "
+                          f"(a folder named {dst.name} breaks {breaks}); name the output "
+                          f"{dst.with_suffix(better)}{inside}")
+    if spec is None:
+        return format_for_path(dst)
+    owner = next((f.name for f in formats().values() if suffix in f.suffixes), None)
+    if owner not in (None, spec.name):
+        raise FormatError(f"{dst}: the suffix {suffix} means the {owner} format, not {spec.name}; "
+                          f"name the output {dst.with_suffix(spec.suffixes[0])}")
+    return spec
+
+
+def _check_numbers(**values: Any) -> None:
+    """Reject numbers outside the range each option accepts (the CLI checks the same)."""
+    ranges = {"quality": (1, 100), "workers": (0, 1024), "shards": (1, 10**7), "shard_samples": (1, 10**9),
+              "shard_bytes": (1, 1 << 50), "parts": (1, 10**6)}
+    for name, v in values.items():
+        if v is None or (name == "workers" and v == "auto"):
+            continue
+        lo, hi = ranges[name]
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise PackioError(f"{name} must be an integer from {lo} to {hi}"
+                              + (" or 'auto'" if name == "workers" else "") + f", got {v!r}")
+
+
+def _history_of(m: Manifest) -> list[dict[str, Any]]:
+    """The source dataset's recorded steps (datasets from before packio kept them get one summary step)."""
+    steps = m.image.get("history")
+    if isinstance(steps, list) and all(isinstance(x, dict) for x in steps):
+        return [dict(x) for x in steps[-31:]]
+    return [{"from": "unrecorded (packed before packio kept a history)", "to": m.format,
+             "resize": m.image.get("resize"), "payload": m.image.get("payload")}]
+
+
+def _declared_shape(m: Manifest) -> tuple[int, int] | None:
+    shape = m.image.get("shape")
+    if (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)):
+        return shape[0], shape[1]
+    return None
 
 
 def _check_paths(src: Path, dst: Path, csv: str | Path | None) -> None:
@@ -469,18 +680,22 @@ class _Job:
     strict: bool
 
 
-def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: Path, *, workers: int = 0,
-                progress: bool | None = False, skipped: Counter[str] | None = None) -> dict[str, Any]:
+def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: Path, *,
+                workers: int | str = 0, progress: bool | None = False, skipped: Counter[str] | None = None,
+                notes: Counter[str] | None = None) -> dict[str, Any]:
     """Write ``tasks`` as one complete, self-describing dataset at ``path``."""
     spec = get_format(job.format)
     skipped = Counter(skipped or {})
+    notes = Counter(notes or {})
     problems: list[str] = []
     writer = spec.writer(path, job.options)
     seen: set[str] = set()
     dup = 0
+    done: Counter[str] = Counter()  # "jpeg kept", "bmp→jpeg", ...
+    chosen: dict[str, Any] = {}
     try:
         with _progress(len(tasks), progress) as bar:
-            for sample, reason, where in _results(fn, tasks, workers):
+            for sample, reason, where in _results(fn, tasks, workers, chosen):
                 bar.update(1)
                 if sample is None:
                     if job.strict:
@@ -490,6 +705,9 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
                     continue
                 dup += sample.checksum in seen
                 seen.add(sample.checksum)
+                how, *extra = reason.split("; ")
+                done[how] += 1
+                notes.update(filter(None, extra))
                 writer.add(sample)
         if job.strict and skipped:
             raise SourceError(f"{sum(skipped.values())} inputs were skipped (--strict): " + "; ".join(problems[:5]))
@@ -498,10 +716,24 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
         writer.abort()
         raise
     manifest = Manifest(format=job.format, count=writer.count, id=uuid.uuid4().hex, classes=job.classes,
-                        image=job.image, source=job.source, extra=extra,
-                        summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup})
+                        image=_image_facts(job.image, done), source=job.source, extra=extra,
+                        summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup,
+                                 "notes": dict(notes)})
     writer.write_manifest(manifest)
-    return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup}
+    return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup,
+            "notes": dict(notes), "done": dict(done), "workers": chosen.get("workers"), "manifest": manifest}
+
+
+def _image_facts(image: dict[str, Any], done: Counter[str]) -> dict[str, Any]:
+    """The manifest's ``image`` entry once written: stored encodings and what this step did."""
+    stored: Counter[str] = Counter()
+    for what, n in done.items():
+        stored[what.split("→")[-1].removesuffix(" kept")] += n
+    jpeg = any(w.endswith("→jpeg") for w in done)
+    history = [*image["history"][:-1], {**image["history"][-1], "quality": image["quality"] if jpeg else None,
+                                        "result": dict(sorted(done.items()))}]
+    return {**image, "quality": image["quality"] if jpeg else None, "encodings": dict(sorted(stored.items())),
+            "history": history}
 
 
 def _pack_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: str) -> dict[str, Any]:
@@ -527,11 +759,16 @@ def _client(scheduler: Any) -> tuple[Any, bool]:
         raise PackioError("distributed conversion needs Dask: pip install 'packio[dask]'") from None
     if isinstance(scheduler, Client):
         return scheduler, False
-    return Client(scheduler), True
+    try:
+        return Client(scheduler), True
+    except (OSError, ValueError, TypeError) as exc:  # bad address, unreachable, timed out
+        raise PackioError(f"cannot use the Dask scheduler {scheduler!r} ({exc}); give its address like "
+                          f"tcp://host:8786 (start one with 'dask scheduler')") from None
 
 
 def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root: Path, scheduler: Any,
-                 parts: int | None, progress: bool | None, skipped: Counter[str]) -> dict[str, Any]:
+                 parts: int | None, progress: bool | None, skipped: Counter[str],
+                 notes: Counter[str]) -> dict[str, Any]:
     """Pack contiguous partitions as Dask tasks into ``root/part-NNNNN<suffix>``,
     then write the top manifest that lists them (only when every part is done)."""
     from dask.distributed import as_completed
@@ -544,8 +781,8 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
         suffix = get_format(job.format).suffixes[0]
         root.mkdir(parents=True)
         names = [f"part-{i:05d}{suffix}" for i in range(k)]
-        futures = [client.submit(_pack_part, job, fn, tasks[a:b], str(root / name), pure=False, retries=2,
-                                 key=f"packio-{root.name}-{name}")
+        futures = [client.submit(_pack_part, _part_job(job, b - a), fn, tasks[a:b], str(root / name), pure=False,
+                                 retries=2, key=f"packio-{root.name}-{name}")
                    for (a, b), name in zip(zip(bounds[:-1], bounds[1:]), names)]
         try:
             with _progress(k, progress) as bar:
@@ -566,15 +803,119 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
     count = sum(r["count"] for r in results)
     for r in results:
         skipped.update(r["skipped"])
+        notes.update(r["notes"])
     dup = sum(r["duplicate_content"] for r in results)
-    manifest = Manifest(format=job.format, count=count, classes=job.classes, image=job.image, source=job.source,
+    done = sum((Counter(r["done"]) for r in results), Counter())
+    manifest = Manifest(format=job.format, count=count, classes=job.classes, image=_image_facts(job.image, done),
+                        source=job.source,
                         extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},
                         summary={"packed": count, "skipped": dict(skipped), "duplicate_content": dup,
-                                 "note": "duplicate_content counts within each part"},
+                                 "notes": dict(notes), "note": "duplicate_content counts within each part"},
                         files=describe_files(root), id=uuid.uuid4().hex)
     (root / MANIFEST_NAME).write_text(manifest.to_json())
-    return {"count": count, "skipped": dict(skipped), "problems": [p for r in results for p in r["problems"]],
-            "duplicate_content": dup}
+    return {"count": count, "skipped": dict(skipped), "notes": dict(notes),
+            "problems": [p for r in results for p in r["problems"]],
+            "duplicate_content": dup, "done": dict(done), "manifest": manifest,
+            "workers": f"{k} parts on {nworkers} Dask workers"}
+
+
+def _part_job(job: _Job, count: int) -> _Job:
+    """One part's share of the planned tar shards."""
+    o = job.options
+    if not o.shards:
+        return job
+    share = max(1, math.ceil(o.shards * count / max(o.expected, 1)))
+    return dataclasses.replace(job, options=dataclasses.replace(o, shards=share, expected=count))
+
+
+def describe_output(path: Path, m: Manifest) -> list[str]:
+    """Lines telling how to open ``path`` with the neighbours' tools, and what its images are."""
+    n = m.count
+    lines: list[str] = []
+    if m.format == "tar":
+        pattern = tar_pattern(path, m)
+        if pattern:
+            shards = len([f for f in m.files if f.endswith(".tar")]) or len(m.extra.get("shards", []))
+            lines += [f"shards:   {shards} × ~{n // max(shards, 1)} samples: {pattern}",
+                      "          (paste into webdataset.WebDataset(...) or tar tf; members {key}.jpg/.cls/.json)"]
+    elif m.format == "arrays" and "parts" not in m.extra:
+        shape = m.image.get("shape") or ["H", "W", 3]
+        lines.append(f"arrays:   {path / 'images.npy'} uint8[{n}, {', '.join(map(str, shape))}], labels.npy int64[{n}]"
+                     f" (numpy.load(..., mmap_mode='r'))")
+    elif m.format == "hdf5":
+        what = "images uint8[N, H, W, 3]" if m.extra.get("fixed_shape") else "images_bytes + offsets"
+        lines.append(f"hdf5:     h5py.File('{path}'): {what}, labels, boxes + box_offsets")
+    elif m.format == "lmdb":
+        lines.append(f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
+                     f"u32le length | msgpack record | image bytes")
+    elif m.format == "bmp" and "parts" not in m.extra:
+        lines.append(f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)")
+    enc = m.image.get("encodings") or {}
+    if enc:
+        step = (m.image.get("history") or [{}])[-1]
+        lines.append(f"images:   {', '.join(f'{v} {k}' for k, v in enc.items())}: ".replace("raw", "uint8 pixels")
+                     + _step_text(step))
+    return lines
+
+
+def describe_history(m: Manifest) -> list[str]:
+    """The recorded steps from the first source to this dataset, one line each."""
+    steps = m.image.get("history") or []
+    return [f"{i}. {s.get('from', '?')} {s.get('source', '')} → {s.get('to', '?')}: {_step_text(s)}"
+            for i, s in enumerate(steps, 1) if isinstance(s, dict)]
+
+
+def _step_text(step: dict[str, Any]) -> str:
+    done = step.get("result") if isinstance(step.get("result"), dict) else {}
+    kept = [f"{v} {k.removesuffix(' kept')}" for k, v in done.items() if str(k).endswith(" kept")]
+    changed = [f"{v} {k}".replace("raw", "uint8 pixels") for k, v in done.items() if not str(k).endswith(" kept")]
+    parts = ([", ".join(kept) + " kept as found (not re-encoded)"] if kept else []) + (
+        [", ".join(changed)] if changed else [])
+    if not done:
+        parts.append(f"stored as {step.get('payload', '?')}")
+    r = step.get("resize")
+    if isinstance(r, dict):
+        geo = (f"short side {r['short_side']}" if r.get("short_side") else
+               "x".join(map(str, r["size"])) if r.get("size") else "")
+        crop = "center crop " + "x".join(map(str, r["crop"])) if r.get("crop") else ""
+        parts.append("resized to " + ", ".join(x for x in (geo, crop) if x))
+    if step.get("quality") and any(str(k).endswith("→jpeg") for k in done):
+        parts.append(f"JPEG quality {step['quality']}")
+    if any(str(k).startswith("raw→") for k in done) and step.get("encode") == "keep":
+        parts.append("decoded pixels stored lossless; --encode jpeg for smaller files")
+    return "; ".join(parts)
+
+
+def tar_pattern(path: Path, m: Manifest) -> str | None:
+    """The brace pattern naming every shard (webdataset / braceexpand syntax), or a glob."""
+    if "parts" not in m.extra:
+        names = [s for s in m.extra.get("shards", []) if isinstance(s, str)]
+        pattern = _brace(names)
+        base = path if path.is_dir() else path.parent  # shards opened by a file name or pattern
+        return str(base / pattern) if pattern else None
+    groups: dict[str, list[str]] = {}
+    for rel in sorted(f for f in m.files if f.endswith(".tar")):
+        head, _, name = rel.rpartition("/")
+        groups.setdefault(head, []).append(name)
+    inner = {tuple(v) for v in groups.values()}
+    outer = _brace(list(groups))
+    if len(inner) == 1 and outer:
+        return str(path / outer / _brace(list(next(iter(inner))))) if _brace(list(next(iter(inner)))) else None
+    return str(path / "*" / "*.tar") + " (a glob: sorted(glob.glob(...)) lists the shards)"
+
+
+def _brace(names: list[str]) -> str | None:
+    """``shard-{000000..000007}.tar`` for contiguous, equally padded numbered names."""
+    found = [re.fullmatch(r"(.*?)(\d+)(\.[^/]*)?", n) for n in names]
+    if not names or not all(found) or len({(f[1], f[3], len(f[2])) for f in found}) != 1:  # type: ignore[index]
+        return None
+    nums = [int(f[2]) for f in found]  # type: ignore[index]
+    if nums != list(range(nums[0], nums[0] + len(nums))):
+        return None
+    if len(nums) == 1:
+        return names[0]
+    f, w = found[0], len(found[0][2])  # type: ignore[index]
+    return f"{f[1]}{{{nums[0]:0{w}d}..{nums[-1]:0{w}d}}}{f[3] or ''}"
 
 
 def _looks_like_shards(src: Path) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio import decode as dec
+from packio import geometry as geo
 from packio.collation import collate, ragged, unpack
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError
 from packio.formats import open_reader
@@ -74,11 +75,13 @@ class _Items:
                     img = dec.decode(s.payload, backend=self.backend, min_size=self.size)
                 except ValueError as exc:
                     raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
-            h0, w0 = (s.height, s.width) if s.height and s.width else img.shape[:2]
             if self.size is not None:
                 img = dec.resize(img, self.size)
-            if (img.shape[0], img.shape[1]) != (h0, w0) and len(boxes):
-                boxes = boxes * np.array([img.shape[1] / w0, img.shape[0] / h0] * 2, np.float32)
+            if len(boxes):  # from the stored size, not the decoded one (DCT scaling)
+                try:
+                    boxes = geo.resize(boxes, dec.stored_hw(s.payload, s.encoding, s.width, s.height), img.shape[:2])
+                except ValueError as exc:
+                    raise CorruptSampleError(s.key, f"image size unreadable ({exc})") from None
             image = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)
             if self.transform is not None:
                 image = self.transform(image)
@@ -140,11 +143,11 @@ class _Items:
             try:
                 img = s.payload if isinstance(s.payload, np.ndarray) else dec.decode(
                     s.payload, backend=self.backend, min_size=self.size)
+                hw0 = dec.stored_hw(s.payload, s.encoding, s.width, s.height) if len(s.boxes) else (h, w)
             except ValueError as exc:
                 return CorruptSampleError(s.key, f"image does not decode ({exc})")
-            h0, w0 = (s.height, s.width) if s.height and s.width else img.shape[:2]
             dec.resize(img, (h, w), out=arr[j])
-            return s.boxes * np.array([w / w0, h / h0] * 2, np.float32) if len(s.boxes) else s.boxes
+            return geo.resize(s.boxes, hw0, (h, w))
 
         pool = self._executor() if self.threads > 1 else None
         boxes = list(pool.map(one, range(n)) if pool else map(one, range(n)))

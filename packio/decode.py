@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from packio import geometry as geo
+
 MAX_PIXELS = 178_956_970  # PIL's decompression-bomb limit: refuse larger headers
 
 
@@ -45,6 +47,58 @@ def image_size(data: bytes, encoding: str) -> tuple[int, int]:
     Image.MAX_IMAGE_PIXELS = None  # packio applies its own limit below, with a clear message
     with Image.open(io.BytesIO(data)) as im:
         return im.size
+
+
+def _jpeg_has_exif(data: bytes | memoryview) -> bool:
+    """Whether a JPEG's header segments (before its scan data) hold an APP1 Exif block."""
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return False
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xDA, 0xD9):  # start of scan / end of image: no header segments after
+            return False
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        if marker == 0xE1 and bytes(data[i + 4:i + 10]) == b"Exif\0\0":
+            return True
+        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return False
+
+
+def exif_orientation(data: bytes | memoryview) -> int:
+    """The EXIF orientation (1..8) of an encoded image; 1 when it has none or it is unreadable.
+
+    A JPEG without an Exif segment (most of them) costs one walk over its header
+    segments, no PIL parse."""
+    enc = sniff(data)
+    if enc not in ("jpeg", "png", "webp") or (enc == "jpeg" and not _jpeg_has_exif(data)):
+        return 1
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as im:
+            o = im.getexif().get(0x0112, 1)
+    except Exception:  # a broken EXIF block is no reason to refuse the pixels
+        return 1
+    return o if isinstance(o, int) and 1 <= o <= 8 else 1
+
+
+def stored_hw(payload: bytes | memoryview | np.ndarray, encoding: str, width: int, height: int) -> tuple[int, int]:
+    """(h, w) of a stored image: from its record, else its array, else its header.
+
+    Boxes scale from this size, never from a decoded shape: a read-time decode may
+    use DCT downscaling (``decode(min_size=...)``). Raises ValueError when unreadable."""
+    if width > 0 and height > 0:
+        return height, width
+    if isinstance(payload, np.ndarray):
+        return int(payload.shape[0]), int(payload.shape[1])
+    w, h = image_size(bytes(payload), sniff(payload) or encoding)
+    return h, w
 
 
 @functools.lru_cache(maxsize=1)
@@ -163,7 +217,7 @@ class ResizeSpec:
     def __post_init__(self) -> None:
         if self.size is not None and self.short_side is not None:
             raise ValueError("give either a fixed size or a short side, not both")
-        for v in (*(self.size or ()), *(self.crop or ()), self.short_side or 1):
+        for v in (*(self.size or ()), *(self.crop or ()), *((self.short_side,) if self.short_side is not None else ())):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"resize sizes must be positive integers, got {v!r}")
 
@@ -220,33 +274,26 @@ def resize(img: np.ndarray, hw: tuple[int, int], best: bool = False, out: np.nda
     return cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)
 
 
-def apply_spec(img: np.ndarray, boxes: np.ndarray, spec: ResizeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Resize/crop ``img`` by ``spec`` and move ``boxes`` (xyxy) with it.
+def apply_spec(img: np.ndarray, boxes: np.ndarray, box_labels: np.ndarray,
+               spec: ResizeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Resize/crop ``img`` by ``spec``; boxes follow by :mod:`packio.geometry`'s rules.
 
-    Returns (image, boxes, keep): boxes are clipped to the new image and ``keep``
-    marks those that still have area (or had none to start with).
+    Returns (image, boxes, box_labels): boxes the center crop leaves no overlap
+    with are dropped together with their labels; the others are clipped to it.
     """
     h0, w0 = img.shape[:2]
     th, tw = spec.target(h0, w0)
     out = resize(img, (th, tw), best=True)
-    b = boxes.astype(np.float32).reshape(-1, 4).copy()
-    b[:, [0, 2]] *= tw / w0
-    b[:, [1, 3]] *= th / h0
-    keep = np.ones(len(b), bool)
+    b = geo.resize(boxes, (h0, w0), (th, tw))
+    labels = geo.as_labels(box_labels, len(b))
     if spec.crop is not None:
-        ch, cw = min(spec.crop[0], th), min(spec.crop[1], tw)
-        top, left = (th - ch) // 2, (tw - cw) // 2
+        top, left, ch, cw = geo.center_window(th, tw, *spec.crop)
         out = out[top:top + ch, left:left + cw]
+        b, labels = geo.crop(b, labels, top, left, ch, cw)
         if (ch, cw) != spec.crop:  # source smaller than the crop: scale up to it
             out = resize(out, spec.crop, best=True)
-            sy, sx = spec.crop[0] / ch, spec.crop[1] / cw
-        else:
-            sy = sx = 1.0
-        had_area = (b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])
-        b[:, [0, 2]] = np.clip(b[:, [0, 2]] - left, 0, cw) * sx
-        b[:, [1, 3]] = np.clip(b[:, [1, 3]] - top, 0, ch) * sy
-        keep = ~had_area | ((b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1]))
-    return np.ascontiguousarray(out), b, keep
+            b = geo.resize(b, (ch, cw), spec.crop)
+    return np.ascontiguousarray(out), b, labels
 
 
 def encode(img: np.ndarray, encoding: str, quality: int = 90) -> bytes:

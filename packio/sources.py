@@ -1,6 +1,15 @@
 """Image folder (class sub-folders or flat) + CSV annotation rows → source items.
 
 The CSV is parsed once here, at pack time; readers never see it again.
+
+Which column labels what: with box columns, ``class`` labels the boxes and
+``label`` (if present) the images; without box columns, ``label``, or else
+``class``, labels the images (Kaggle ``filename,label`` / ``image_id,class``).
+``--csv-columns label=COL`` (or ``--label-column COL``) names the image-label
+column explicitly. Default column names are matched case-insensitively, with a
+few common aliases (``image_id``, ``path``, ``category``, ...).
+
+Which frame CSV boxes are in: see :func:`boxes_to_stored_frame`.
 """
 
 from __future__ import annotations
@@ -13,10 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from packio import geometry as geo
 from packio.errors import SourceError
 
 FIELDS = ("filename", "class", "xmin", "ymin", "xmax", "ymax", "label", "width", "height")
 BOX_FIELDS = ("xmin", "ymin", "xmax", "ymax")
+# Column names tried, in order and ignoring case, for a field the user did not map.
+ALIASES = {"filename": ("filename", "file_name", "file", "image_id", "image", "image_name", "img", "path",
+                        "fname", "id"),
+           "class": ("class", "class_name", "category"), "label": ("label", "target")}
+UNLABELLED = "image without a label (no CSV label / class folder; packed with label -1)"
 
 
 @dataclass
@@ -28,6 +45,7 @@ class SourceItem:
     label: int = -1
     boxes: list[list[float]] = field(default_factory=list)
     box_labels: list[int] = field(default_factory=list)
+    frames: list[tuple[int, int]] = field(default_factory=list)  # per box: the CSV's (width, height), or (0, 0)
 
 
 @dataclass
@@ -37,6 +55,7 @@ class Scan:
     skipped: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)  # "file: reason", one per skip
     info: dict[str, Any] = field(default_factory=dict)
+    notes: Counter[str] = field(default_factory=Counter)  # kept, but worth a line in the summary
 
     def skip(self, reason: str, where: str, detail: str = "") -> None:
         self.skipped[reason] += 1
@@ -134,9 +153,27 @@ def _walk(root: Path, scan: Scan, exclude: set[str], follow_symlinks: bool = Fal
     return found
 
 
+def _resolve_columns(path: Path, header: list[str], columns: dict[str, str]) -> dict[str, str]:
+    """Field → CSV column, for the fields this CSV has. Mapped columns must exist."""
+    missing = [c for c in columns.values() if c not in header]
+    if missing:
+        raise SourceError(f"{path}: --csv-columns names {missing}, which the CSV does not have; "
+                          f"columns are {header}")
+    lower = {h.lower(): h for h in header}
+    out = dict(columns)
+    for f in FIELDS:
+        if f not in out:
+            found = next((lower[a] for a in ALIASES.get(f, (f,)) if a in lower), None)
+            if found is not None and found not in out.values():
+                out[f] = found
+    return out
+
+
 def _read_csv(path: Path, columns: dict[str, str], scan: Scan) -> list[dict[str, Any]]:
-    """Parse annotation rows; bad rows are skipped and counted, bad headers raise."""
-    cols = {f: columns.get(f, f) for f in FIELDS}
+    """Parse annotation rows; bad rows are skipped and counted, bad headers raise.
+
+    Each row becomes ``filename``, ``where`` and, when present, ``image_label``,
+    ``box`` (xyxy), ``box_class`` and ``frame`` (the CSV's width, height)."""
     try:
         fh = open(path, newline="", encoding="utf-8-sig")
     except OSError as exc:
@@ -147,17 +184,23 @@ def _read_csv(path: Path, columns: dict[str, str], scan: Scan) -> list[dict[str,
             header = reader.fieldnames or []
         except (UnicodeDecodeError, csv.Error) as exc:
             raise SourceError(f"{path}: not a readable UTF-8 CSV ({exc})") from None
-        if cols["filename"] not in header:
+        cols = _resolve_columns(path, header, columns)
+        if "filename" not in cols:
             raise SourceError(
-                f"{path}: no column {cols['filename']!r} for file names; columns are {header}. "
+                f"{path}: no column 'filename' (or image_id, path, ...) for file names; columns are {header}. "
                 f"Map yours with --csv-columns filename=COLUMN")
-        have_box = [f for f in BOX_FIELDS if cols[f] in header]
+        have_box = [f for f in BOX_FIELDS if f in cols]
         if have_box and len(have_box) != 4:
-            missing = [cols[f] for f in BOX_FIELDS if cols[f] not in header]
+            missing = [f for f in BOX_FIELDS if f not in cols]
             raise SourceError(
                 f"{path}: box columns {missing} are missing; columns are {header}. "
                 f"Map them with --csv-columns xmin=...,ymin=...,xmax=...,ymax=...")
-        scan.info["csv_columns"] = {f: c for f, c in cols.items() if c in header}
+        image_col = cols.get("label") or (None if have_box else cols.get("class"))
+        box_col = cols.get("class") if have_box else None
+        sized = "width" in cols and "height" in cols
+        scan.info["csv_columns"] = {f: c for f, c in cols.items() if f in ("filename", "width", "height", *BOX_FIELDS)
+                                    or c in (image_col, box_col)}
+        scan.info["csv_labels"] = {"images": image_col, "boxes": box_col}
         rows: list[dict[str, Any]] = []
         seen: set[tuple[str, ...]] = set()
         try:
@@ -172,30 +215,106 @@ def _read_csv(path: Path, columns: dict[str, str], scan: Scan) -> list[dict[str,
                     continue
                 seen.add(ident)
                 out: dict[str, Any] = {"filename": row[cols["filename"]].strip(), "where": where}
-                for f in ("class", "label"):
-                    if cols[f] in header:
-                        out[f] = row[cols[f]].strip()
-                if have_box:
-                    try:
-                        x0, y0, x1, y1 = (float(row[cols[f]]) for f in BOX_FIELDS)
-                    except ValueError:
-                        scan.skip("non-numeric box", where, ",".join(row[cols[f]] for f in BOX_FIELDS))
+                if image_col:
+                    out["image_label"] = row[image_col].strip()
+                if have_box and any(row[cols[f]].strip() for f in BOX_FIELDS):  # all empty: a row without a box
+                    box = _box(row, cols, scan, where)
+                    if box is None:
                         continue
-                    if not all(map(_finite, (x0, y0, x1, y1))) or min(x0, y0, x1, y1) < 0:
-                        scan.skip("negative or non-finite box", where)
+                    out["box"] = box
+                    out["box_class"] = row[box_col].strip() if box_col else ""
+                    frame = _frame(row, cols, scan, where) if sized else (0, 0)
+                    if frame is None:
                         continue
-                    if x1 < x0 or y1 < y0:
-                        scan.skip("inverted box (max < min)", where)
-                        continue
-                    out["box"] = [x0, y0, x1, y1]
+                    out["frame"] = frame
                 rows.append(out)
         except (UnicodeDecodeError, csv.Error) as exc:
             raise SourceError(f"{path}: not a readable UTF-8 CSV ({exc})") from None
     return rows
 
 
+def _box(row: dict[str, str], cols: dict[str, str], scan: Scan, where: str) -> list[float] | None:
+    try:
+        x0, y0, x1, y1 = (float(row[cols[f]]) for f in BOX_FIELDS)
+    except ValueError:
+        scan.skip("non-numeric box", where, ",".join(row[cols[f]] for f in BOX_FIELDS))
+        return None
+    if not all(map(_finite, (x0, y0, x1, y1))) or min(x0, y0, x1, y1) < 0:
+        scan.skip("negative or non-finite box", where)
+        return None
+    if x1 < x0 or y1 < y0:
+        scan.skip("inverted box (max < min)", where)
+        return None
+    return [x0, y0, x1, y1]
+
+
+def _frame(row: dict[str, str], cols: dict[str, str], scan: Scan, where: str) -> tuple[int, int] | None:
+    """The CSV's (width, height) for this row's box; (0, 0) when both cells are empty."""
+    cells = row[cols["width"]].strip(), row[cols["height"]].strip()
+    if not any(cells):
+        return 0, 0
+    try:
+        w, h = (float(c) for c in cells)
+    except ValueError:
+        w = h = -1.0
+    if not (_finite(w) and _finite(h) and w >= 1 and h >= 1 and w == int(w) and h == int(h)):
+        scan.skip("bad CSV width/height (not positive integers)", where, ",".join(cells))
+        return None
+    return int(w), int(h)
+
+
 def _finite(v: float) -> bool:
     return v == v and abs(v) != float("inf")
+
+
+def _fits(frame: tuple[int, int], size: tuple[int, int]) -> bool:
+    """Is ``frame`` (w, h) ``size`` (w, h) resized, to within a pixel of rounding?"""
+    (fw, fh), (w, h) = frame, size
+    return abs(fh - fw * h / w) <= 1 or abs(fw - fh * w / h) <= 1
+
+
+def boxes_to_stored_frame(item: SourceItem, width: int, height: int,
+                          orientation: int) -> tuple[np.ndarray, list[str]] | str:
+    """The item's CSV boxes in the frame of the image as stored (``width x height``
+    before its EXIF ``orientation``), and notes; or why they cannot be placed.
+
+    The rule: a CSV box is in the *upright* frame (what viewers, browsers, annotation
+    tools and ``PIL.ImageOps.exif_transpose`` show) unless the CSV's width/height
+    say otherwise: equal to the stored size (and not to the upright one) → the
+    stored frame; the same shape at another size → a resized copy of that frame,
+    scaled back; another shape → the image is skipped (its boxes would be wrong).
+    """
+    boxes = np.asarray(item.boxes, np.float32).reshape(-1, 4)
+    if not len(boxes):
+        return boxes, []
+    upright = geo.upright_size(orientation, width, height)
+    frames = item.frames or [(0, 0)] * len(boxes)
+    out, notes = np.empty_like(boxes), set()
+    for k, (box, frame) in enumerate(zip(boxes, frames)):
+        if frame == (0, 0) or frame == upright:
+            src, in_upright = upright, True
+        elif frame == (width, height):
+            src, in_upright = frame, False
+            notes.add("CSV boxes in the stored (not EXIF-upright) frame, told by the CSV's width/height")
+        elif _fits(frame, upright) or _fits(frame, (width, height)):
+            in_upright = _fits(frame, upright)
+            src = upright if in_upright else (width, height)
+            notes.add("CSV boxes given for a resized copy (width/height), scaled to the image")
+        else:
+            return (f"CSV width/height {frame[0]}x{frame[1]} fit neither the image ({width}x{height}) "
+                    f"nor its EXIF-upright view ({upright[0]}x{upright[1]})")
+        b = geo.resize(box[None], (frame[1], frame[0]), (src[1], src[0])) if frame != (0, 0) else box[None]
+        if in_upright and orientation != 1:
+            b = geo.orient(b, geo.inverse_orientation(orientation), *upright)
+        out[k] = b[0]
+    return out, sorted(notes)
+
+
+def _sort_classes(names: set[str]) -> list[str]:
+    """Sorted class names; numerically when all are integers (so '10' comes after '9')."""
+    if names and all(n.isdigit() for n in names):
+        return sorted(names, key=lambda n: (int(n), n))
+    return sorted(names)
 
 
 def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: dict[str, str] | None = None,
@@ -203,10 +322,12 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
     """List an image folder and attach CSV annotations.
 
     Labels: the name of each image's parent folder (``train/ants/x.jpg`` → ``ants``)
-    when the images sit in sub-folders; a CSV ``label`` column overrides it. Box
-    classes come from the CSV ``class`` column. One class list serves both.
-    Images without CSV rows are kept with no boxes; CSV rows naming no image are
-    counted (``strict`` makes them an error).
+    when the images sit in sub-folders; a CSV image label (see the module doc)
+    overrides it. Box classes come from the CSV ``class`` column. One class list
+    serves both. Images without CSV rows are kept with no boxes; CSV rows naming no
+    image are counted (``strict`` makes them an error); an image without a label in
+    a dataset that has labels is counted in ``notes``. A CSV whose rows name none of
+    the images is an error.
     """
     root = Path(root)
     if not root.is_dir():
@@ -218,41 +339,57 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
 
     by_key = {rel: full for rel, full in files}
     by_base: dict[str, list[str]] = {}
+    by_stem: dict[str, list[str]] = {}
     for rel, _ in files:
-        by_base.setdefault(rel.rsplit("/", 1)[-1], []).append(rel)
+        base = rel.rsplit("/", 1)[-1]
+        by_base.setdefault(base, []).append(rel)
+        by_stem.setdefault(base.rsplit(".", 1)[0], []).append(rel)
     per_image: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         name = row["filename"].replace("\\", "/")
-        rel = name if name in by_key else None
-        if rel is None and len(by_base.get(name.rsplit("/", 1)[-1], [])) == 1:
-            rel = by_base[name.rsplit("/", 1)[-1]][0]
-        if rel is None:
-            ambiguous = len(by_base.get(name.rsplit("/", 1)[-1], [])) > 1
-            reason = ("CSV row names several files (give the path relative to the folder)" if ambiguous
+        base = name.rsplit("/", 1)[-1]
+        # exact path, else a unique file name, else (an id without extension) a unique stem
+        found = [name] if name in by_key else by_base.get(base) or ([] if "." in base else by_stem.get(base, []))
+        if len(found) != 1:
+            reason = ("CSV row names several files (give the path relative to the folder)" if found
                       else "CSV row for a missing file")
             if strict:
                 raise SourceError(f"{row['where']}: names {name!r}: {reason} (--strict)")
             scan.skip(reason, row["where"], name)
             continue
-        per_image.setdefault(rel, []).append(row)
+        per_image.setdefault(found[0], []).append(row)
+    if rows and not per_image:
+        raise SourceError(f"{csv_path}: none of its {len(rows)} rows names an image in {root} "
+                          f"(first: {rows[0]['filename']!r}); give file names relative to the folder, "
+                          f"or map the file-name column with --csv-columns filename=COLUMN")
 
-    names: set[str] = set()
     folder_of = {rel: (rel.rsplit("/", 2)[-2] if "/" in rel else None) for rel, _ in files}
-    names.update(v for v in folder_of.values() if v)
+    names = {v for v in folder_of.values() if v}
     for rs in per_image.values():
-        names.update(r[f] for r in rs for f in ("class", "label") if r.get(f))
-    scan.classes = sorted(names)
+        names.update(r[f] for r in rs for f in ("image_label", "box_class") if r.get(f))
+    scan.classes = _sort_classes(names)
     index = {c: i for i, c in enumerate(scan.classes)}
     for rel, full in files:
+        rs = per_image.get(rel, [])
+        given = {r["image_label"] for r in rs if r.get("image_label")}
+        if len(given) > 1:
+            if strict:
+                raise SourceError(f"{rs[0]['where']}: the CSV gives {rel!r} several labels {sorted(given)} (--strict)")
+            scan.skip("CSV gives the image several labels", rs[0]["where"], f"{rel}: {', '.join(sorted(given))}")
+            continue
         item = SourceItem(key=rel, path=full)
-        if folder_of[rel]:
-            item.label = index[folder_of[rel]]
-        for r in per_image.get(rel, []):
-            if r.get("label"):
-                item.label = index[r["label"]]
+        label = given.pop() if given else folder_of[rel]
+        if label:
+            item.label = index[label]
+        for r in rs:
             if "box" in r:
                 item.boxes.append(r["box"])
-                item.box_labels.append(index[r["class"]] if r.get("class") else -1)
+                item.box_labels.append(index[r["box_class"]] if r["box_class"] else -1)
+                item.frames.append(r["frame"])
         scan.items.append(item)
+    unlabelled = sum(it.label < 0 for it in scan.items)
+    # a dataset with no image labels at all (say, boxes only) is not worth a note, unless the CSV has a label column
+    if unlabelled and (unlabelled < len(scan.items) or scan.info.get("csv_labels", {}).get("images")):
+        scan.notes[UNLABELLED] = unlabelled
     scan.info.update({"files": len(files), "csv_rows": len(rows), "images_with_rows": len(per_image)})
     return scan

@@ -131,13 +131,13 @@ def test_bad_inputs_are_skipped_and_counted(bad_folder, tmp_path, deny_unreadabl
 
 
 def test_exif_orientation_applied_when_resizing(bad_folder, tmp_path, deny_unreadable):
-    s = packio.convert(bad_folder / "things", tmp_path / "r.npy", resize=packio.ResizeSpec(short_side=20,
+    s = packio.convert(bad_folder / "things", tmp_path / "r.arrays", resize=packio.ResizeSpec(short_side=20,
                        crop=(20, 20)), progress=False)
-    ds = packio.open_dataset(tmp_path / "r.npy", decode=False)
+    ds = packio.open_dataset(tmp_path / "r.arrays", decode=False)
     assert all(ds.sample(i).payload.shape == (20, 20, 3) for i in range(len(ds)))
-    s2 = packio.convert(bad_folder / "things", tmp_path / "r.bmp", resize=packio.ResizeSpec(short_side=20),
+    s2 = packio.convert(bad_folder / "things", tmp_path / "r.bmpdir", resize=packio.ResizeSpec(short_side=20),
                         progress=False)
-    bmp = packio.open_dataset(tmp_path / "r.bmp")
+    bmp = packio.open_dataset(tmp_path / "r.bmpdir")
     rotated = next(bmp[i] for i in range(len(bmp)) if bmp[i]["key"].endswith("rotated.jpg"))
     plain = next(bmp[i] for i in range(len(bmp)) if bmp[i]["key"].endswith("png_named.jpg"))
     assert tuple(plain["image"].shape[1:]) == (20, 33)  # 30x50 source, landscape

@@ -10,7 +10,7 @@ import torch
 import packio
 
 
-@pytest.mark.parametrize("suffix", [".npy", ".h5"])
+@pytest.mark.parametrize("suffix", [".arrays", ".h5"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_fast_batches_match_samples(gen_folder, tmp_path, suffix, workers):
     src, csv = gen_folder

@@ -25,7 +25,7 @@ def test_convert_info_verify(gen_folder, tmp_path):
     assert '"count": 14' in r.stdout
     r = run("verify", str(tmp_path / "o.lmdb"))
     assert r.returncode == 0 and "OK" in r.stdout
-    r = run("convert", str(tmp_path / "o.lmdb"), str(tmp_path / "o.tar"), "--quiet")  # format → format
+    r = run("convert", str(tmp_path / "o.lmdb"), str(tmp_path / "o.wds"), "--quiet")  # format → format
     assert r.returncode == 0 and "packed 14 samples" in r.stdout
 
 
@@ -47,7 +47,9 @@ def test_column_mapping_option(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["convert", "/nonexistent/folder", "OUT.lmdb"], "no such file or folder"),
     (["convert", "SRC", "OUT.zip"], "cannot tell the format"),
-    (["convert", "SRC", "OUT.npy"], "--size HxW"),
+    (["convert", "SRC", "OUT.arrays"], "--size HxW"),
+    (["convert", "SRC", "OUT.tar"], "name the output OUT.wds"),
+    (["convert", "SRC", "OUT.npy", "--size", "8x8"], "name the output OUT.arrays"),
     (["convert", "SRC", "OUT.lmdb", "--csv", "/nope.csv"], "cannot open the CSV"),
     (["convert", "SRC", "OUT.lmdb", "--csv-columns", "bogus=x"], "FIELD=COLUMN"),
     (["convert", "SRC", "EXISTING.lmdb"], "--overwrite"),
@@ -64,7 +66,8 @@ def test_bad_input_gives_one_clear_line(gen_folder, tmp_path, args, needle):
     (bad / "x.jpg").write_text("not a jpeg")
     (tmp_path / "GARBAGE.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\x00garbage" * 20)
     subst = {"SRC": str(src), "BAD": str(bad), "OUT.lmdb": str(tmp_path / "OUT.lmdb"),
-             "OUT.zip": str(tmp_path / "OUT.zip"), "OUT.npy": str(tmp_path / "OUT.npy"),
+             "OUT.zip": str(tmp_path / "OUT.zip"), "OUT.arrays": str(tmp_path / "OUT.arrays"),
+             "OUT.tar": "OUT.tar", "OUT.npy": "OUT.npy",
              "EXISTING.lmdb": str(tmp_path / "EXISTING.lmdb"), "GARBAGE.h5": str(tmp_path / "GARBAGE.h5")}
     r = run(*[subst.get(a, a) for a in args])
     assert r.returncode == 2, (r.stdout, r.stderr)

@@ -46,7 +46,7 @@ def _refused_everywhere(path: Path, tmp_path: Path) -> None:
         ds = packio.open_dataset(path, decode=False)
         for i in range(len(ds)):
             ds.sample(i)
-    out = tmp_path / "copy.tar"
+    out = tmp_path / "copy.wds"
     try:
         packio.convert(path, out, progress=False)
     except PackioError:
@@ -205,7 +205,7 @@ def test_cli_follow_symlinks(linked_source, tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "packio", "convert", str(linked_source), str(tmp_path / "o.tar"),
+    r = subprocess.run([sys.executable, "-m", "packio", "convert", str(linked_source), str(tmp_path / "o.wds"),
                         "--follow-symlinks", "--quiet"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "packed 7 samples" in r.stdout, r.stderr
 

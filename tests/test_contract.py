@@ -42,8 +42,8 @@ def expected(src: Path, fmt: str):
         if spec is None:
             out[key] = (data, classes.index(label), b, box_labels)
         else:
-            img, b2, keep = dec.apply_spec(dec.decode(data, apply_exif=True), b, spec)
-            out[key] = (img, classes.index(label), b2[keep], list(np.asarray(box_labels, np.int64)[keep]))
+            img, b2, bl = dec.apply_spec(dec.decode(data), b, np.asarray(box_labels, np.int64), spec)
+            out[key] = (img, classes.index(label), b2, list(bl))
     return out, classes
 
 

@@ -18,8 +18,9 @@ from conftest import ROOT, shared
 
 distributed = pytest.importorskip("dask.distributed")
 
-FORMATS = {".lmdb": {}, ".h5": {}, ".tar": {"shard_samples": 50},
-           ".bmp": {"resize": packio.ResizeSpec(short_side=48)}, ".npy": {"resize": packio.ResizeSpec(size=(40, 40))}}
+FORMATS = {".lmdb": {}, ".h5": {}, ".wds": {"shard_samples": 50},
+           ".bmpdir": {"resize": packio.ResizeSpec(short_side=48)},
+           ".arrays": {"resize": packio.ResizeSpec(size=(40, 40))}}
 
 
 @pytest.fixture(scope="module")
@@ -119,11 +120,16 @@ def test_worker_killed_mid_conversion(tmp_path):
 def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
     c, _ = cluster
     src, csv = gen_folder
-    r = subprocess.run([sys.executable, "-m", "packio", "convert", str(src), str(tmp_path / "o.tar"), "--csv",
+    r = subprocess.run([sys.executable, "-m", "packio", "convert", str(src), str(tmp_path / "o.wds"), "--csv",
                         str(csv), "--scheduler", c.scheduler_address, "--parts", "3", "--quiet"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "packed 14 samples" in r.stdout and len(list((tmp_path / "o.tar").glob("part-*.tar"))) == 3
+    assert "packed 14 samples" in r.stdout and len(list((tmp_path / "o.wds").glob("part-*.wds"))) == 3
+    from braceexpand import braceexpand
+
+    pattern = next(line for line in r.stdout.splitlines() if line.startswith("shards:")).split()[-1]
+    shards = list(braceexpand(pattern))  # one pattern naming the shards of every part, for webdataset
+    assert len(shards) == 3 and all(Path(s).is_file() for s in shards), pattern
 
 
 def _torchrun(tmp_path: Path, data: Path, mode: str) -> list[dict]:

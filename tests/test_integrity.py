@@ -246,7 +246,7 @@ def slow_add(self, sample):  # a slow disk: widens the window the kill can land 
     add(self, sample)
 writer.add = slow_add
 packio.convert(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), progress=False,
-               shard_samples=40, resize=packio.ResizeSpec(size=(32, 32)) if sys.argv[2].endswith('.npy') else None)
+               shard_samples=40, resize=packio.ResizeSpec(size=(32, 32)) if sys.argv[2].endswith('.arrays') else None)
 """
 
 
@@ -266,7 +266,7 @@ def _tree_state(root: Path) -> list[tuple[str, int, int]]:
     return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5", ".tar", ".npy"])
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5", ".wds", ".arrays"])
 def test_kill_at_random_points_leaves_nothing_half_written(big_folder, tmp_path, suffix):
     rng = np.random.default_rng(hash(suffix) % 1000)
     before = _tree_state(big_folder)
@@ -289,7 +289,7 @@ def test_kill_at_random_points_leaves_nothing_half_written(big_folder, tmp_path,
     assert "absent" in outcomes  # at least one kill landed mid-conversion
     assert _tree_state(big_folder) == before  # the input is never modified
     s = packio.convert(big_folder, dst, progress=False, resize=packio.ResizeSpec(size=(32, 32))
-                       if suffix == ".npy" else None)  # a rerun completes and cleans the leftovers
+                       if suffix == ".arrays" else None)  # a rerun completes and cleans the leftovers
     assert s.packed == 360 and packio.verify(dst).ok
     assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name]
 
@@ -305,7 +305,7 @@ def test_convert_skips_damaged_samples_instead_of_laundering(real_folder, tmp_pa
     raw = victim.payload.tobytes() if isinstance(victim.payload, np.ndarray) else victim.payload
     ds.reader.close()
     _flip_payload_byte(path, raw)
-    out = tmp_path / "resized.tar"  # a resize re-encodes: the damage would get a fresh checksum
+    out = tmp_path / "resized.wds"  # a resize re-encodes: the damage would get a fresh checksum
     s = packio.convert(path, out, resize=packio.ResizeSpec(size=(24, 24)), progress=False)
     assert s.packed == 11 and dict(s.skipped) == {"corrupt sample in the source dataset": 1}
     assert any(victim.key in p and "checksum mismatch" in p for p in s.problems)
@@ -421,15 +421,15 @@ def test_workers_get_the_packed_reader_once(tmp_path, monkeypatch):
     n = 800
     for k in range(n):
         (root / f"{k:05d}.jpg").write_bytes(tiny[k % 4])
-    packio.convert(tmp_path / "imgs", tmp_path / "src.tar", progress=False)
+    packio.convert(tmp_path / "imgs", tmp_path / "src.wds", progress=False)
     sent = []
     real = connection.Connection._send_bytes
     monkeypatch.setattr(connection.Connection, "_send_bytes",
                         lambda self, buf: sent.append(len(buf)) or real(self, buf))
-    s = packio.convert(tmp_path / "src.tar", tmp_path / "out.lmdb", workers=2, progress=False)
+    s = packio.convert(tmp_path / "src.wds", tmp_path / "out.lmdb", workers=2, progress=False)
     assert s.packed == n
     # one chunk of 8 indices pickles to about 150 bytes; the reader alone is n * 40 bytes of index
     assert sum(sent) < 100 * n, f"{sum(sent)} bytes sent to the workers for {n} samples"
-    a = packio.open_dataset(tmp_path / "src.tar", decode=False)
+    a = packio.open_dataset(tmp_path / "src.wds", decode=False)
     b = packio.open_dataset(tmp_path / "out.lmdb", decode=False)
     assert [a.sample(i).payload for i in range(0, n, 97)] == [b.sample(i).payload for i in range(0, n, 97)]

@@ -14,10 +14,10 @@ from conftest import jpeg
 
 def test_webdataset_reads_packio_shards(gen_folder, tmp_path):
     src, csv = gen_folder
-    packio.convert(src, tmp_path / "d.tar", csv=csv, shard_samples=5, progress=False)
-    ds = packio.open_dataset(tmp_path / "d.tar", decode=False)
+    packio.convert(src, tmp_path / "d.wds", csv=csv, shard_samples=5, progress=False)
+    ds = packio.open_dataset(tmp_path / "d.wds", decode=False)
     want = {ds.sample(i).key: ds.sample(i) for i in range(len(ds))}
-    shards = sorted(str(p) for p in (tmp_path / "d.tar").glob("shard-*.tar"))
+    shards = sorted(str(p) for p in (tmp_path / "d.wds").glob("shard-*.tar"))
     assert len(shards) == 3
     got = list(wds.WebDataset(shards, shardshuffle=False))
     assert len(got) == len(want)
@@ -72,10 +72,10 @@ def test_plain_h5py_reads_packio_hdf5(gen_folder, tmp_path):
 
 def test_plain_numpy_reads_arrays(gen_folder, tmp_path):
     src, _ = gen_folder
-    packio.convert(src, tmp_path / "d.npy", resize=packio.ResizeSpec(size=(24, 32)), progress=False)
-    images = np.load(tmp_path / "d.npy" / "images.npy", mmap_mode="r", allow_pickle=False)
-    labels = np.load(tmp_path / "d.npy" / "labels.npy", allow_pickle=False)
-    ds = packio.open_dataset(tmp_path / "d.npy", decode=False)
+    packio.convert(src, tmp_path / "d.arrays", resize=packio.ResizeSpec(size=(24, 32)), progress=False)
+    images = np.load(tmp_path / "d.arrays" / "images.npy", mmap_mode="r", allow_pickle=False)
+    labels = np.load(tmp_path / "d.arrays" / "labels.npy", allow_pickle=False)
+    ds = packio.open_dataset(tmp_path / "d.arrays", decode=False)
     assert images.shape == (14, 24, 32, 3) and len(labels) == 14
     for i in range(14):
         np.testing.assert_array_equal(images[i], ds.sample(i).payload)

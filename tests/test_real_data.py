@@ -25,7 +25,7 @@ def _check_bytes_and_boxes(out: Path, src: Path, rows_by_file: dict[str, list[li
         assert [ds.classes[c] for c in s.box_labels] == classes_col.get(s.key, [])
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "tar", "h5"])
+@pytest.mark.parametrize("fmt", ["lmdb", "wds", "h5"])
 def test_raccoon(tmp_path, fmt):
     root = shared("raccoon")
     csv_path = root / "data" / "raccoon_labels.csv"
@@ -57,9 +57,9 @@ def test_bccd_column_mapping(tmp_path):
     assert sum(map(len, rows.values())) == 4888
 
 
-FORMATS = {"lmdb": {}, "h5": {}, "tar": {"shard_samples": 100},
-           "bmp": {"resize": packio.ResizeSpec(short_side=64)},
-           "npy": {"resize": packio.ResizeSpec(size=(64, 64))}}
+FORMATS = {"lmdb": {}, "h5": {}, "wds": {"shard_samples": 100},
+           "bmpdir": {"resize": packio.ResizeSpec(short_side=64)},
+           "arrays": {"resize": packio.ResizeSpec(size=(64, 64))}}
 
 
 @pytest.mark.parametrize("suffix", sorted(FORMATS))

@@ -34,7 +34,7 @@ def main() -> int:
 
     src = Path(a.src)
     out = Path(tempfile.mkdtemp())
-    formats = {".lmdb": {}, ".h5": {}, ".tar": {}, ".npy": {"resize": packio.ResizeSpec(size=(224, 224))}}
+    formats = {".lmdb": {}, ".h5": {}, ".wds": {}, ".arrays": {"resize": packio.ResizeSpec(size=(224, 224))}}
     print(f"source {src}; {a.workers} workers; median of {a.repeats}")
     print("| format | single process s | local pool s | Dask LocalCluster s | Dask / single |")
     print("|---|---:|---:|---:|---:|")

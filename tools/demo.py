@@ -18,7 +18,7 @@ from synth import make_photo_folder  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=str(ROOT / "demo-out"), help="where to write the packed dataset")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     ap.add_argument("--epochs", type=int, default=3)
     a = ap.parse_args()
 
@@ -32,23 +32,27 @@ def main() -> int:
         src, csv = make_photo_folder(Path(tempfile.mkdtemp()) / "photos", count=200, with_csv=True)
         print(f"source: {src} (generated: ../shared/data/raccoon is absent)")
     dst = out / "demo.lmdb"
-    summary = packio.convert(src, dst, csv=csv, workers=a.workers, overwrite=True)
+    summary = packio.convert(src, dst, csv=csv, overwrite=True)  # workers="auto": measured per file
     print(summary.text())
 
     ds = packio.LMDBDataset(dst, resize=224)
     first = ds[0]
     print(f"sample 0: key={first['key']} image={tuple(first['image'].shape)} {first['image'].dtype} "
           f"label={first['label']} boxes={first['boxes'].tolist()}")
-    loader = packio.DataLoader(ds, batch_size=32, shuffle=True, num_workers=a.workers, persistent_workers=True)
+    batch_size = 32
+    loader = packio.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=a.workers,
+                               persistent_workers=a.workers > 0)
     for epoch in range(a.epochs):
-        t0, n, boxes = time.perf_counter(), 0, 0
+        t0, boxes, sizes = time.perf_counter(), 0, []
         for batch in loader:
-            n += len(batch["label"])
+            sizes.append(len(batch["label"]))
             boxes += sum(len(b) for b in batch["boxes"])
+        n = sum(sizes)
         dt = time.perf_counter() - t0
-        print(f"epoch {epoch}: {n} samples, {boxes} boxes, batches {tuple(batch['image'].shape)}: "
-              f"{n / dt:.0f} samples/s (decode + resize 224, {a.workers} workers"
-              f"{', includes worker start' if epoch == 0 else ''})")
+        last = f", the last one {sizes[-1]}" if sizes and sizes[-1] != batch_size else ""
+        print(f"epoch {epoch}: {n} samples, {boxes} boxes in {len(sizes)} batches of {batch_size}{last} "
+              f"(images {tuple(batch['image'].shape[1:])} each): {n / dt:.0f} samples/s (decode + resize 224, "
+              f"{a.workers} workers{', includes worker start' if epoch == 0 else ''})")
     return 0
 
 

@@ -110,8 +110,8 @@ def main() -> int:
         d = folder / f"c{i % 10}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{i:05d}.jpg").write_bytes(blobs[i % len(blobs)])
-    packio.convert(folder, tmp / "d.npy", resize=packio.ResizeSpec(size=(224, 224)), workers=8, progress=False)
-    ds = packio.open_dataset(tmp / "d.npy")
+    packio.convert(folder, tmp / "d.arrays", resize=packio.ResizeSpec(size=(224, 224)), workers=8, progress=False)
+    ds = packio.open_dataset(tmp / "d.arrays")
     loader = packio.DataLoader(ds, batch_size=a.batch, shuffle=True, num_workers=4, drop_last=True,
                                pin_memory=True, persistent_workers=True)
     tf = GPUTransform(size=(224, 224), train=False, channels_last=True)

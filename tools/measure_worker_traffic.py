@@ -38,8 +38,8 @@ def main() -> int:
         tiny = simplejpeg.encode_jpeg(np.full((8, 8, 3), 128, np.uint8))
         for k in range(a.samples):
             (root / f"{k:06d}.jpg").write_bytes(tiny)
-        packio.convert(root.parent, Path(tmp) / "src.tar", progress=False)
-        reader = packio.open_reader(Path(tmp) / "src.tar")
+        packio.convert(root.parent, Path(tmp) / "src.wds", progress=False)
+        reader = packio.open_reader(Path(tmp) / "src.wds")
         fn_bytes = len(pickle.dumps(converter._Prep("encoded", packio.ResizeSpec(), 90, 1, reader)))
         sent: list[int] = []
         real = connection.Connection._send_bytes
@@ -50,7 +50,7 @@ def main() -> int:
 
         connection.Connection._send_bytes = counting  # type: ignore[method-assign]
         t0 = time.perf_counter()
-        s = packio.convert(Path(tmp) / "src.tar", Path(tmp) / "out.lmdb", workers=a.workers, progress=False)
+        s = packio.convert(Path(tmp) / "src.wds", Path(tmp) / "out.lmdb", workers=a.workers, progress=False)
         seconds = time.perf_counter() - t0
         connection.Connection._send_bytes = real  # type: ignore[method-assign]
     chunks = -(-a.samples // 8)

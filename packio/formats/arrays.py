@@ -1,4 +1,4 @@
-"""Pre-resized uint8 arrays: ``images.npy`` uint8[N, H, W, 3] (memory-mapped; a
+"""Pre-resized uint8 arrays, a folder ``DST.arrays/``: ``images.npy`` uint8[N, H, W, 3] (memory-mapped; a
 batch of indices is one fancy-index slice), ``labels.npy`` int64[N], boxes as
 ``boxes.npy`` float32[M, 4] + ``box_labels.npy`` int64[M] + ``box_offsets.npy``
 int64[N+1], ``keys.npy`` (unicode), and the full records (with checksums) in
@@ -152,5 +152,5 @@ class ArrayReader(Reader):
         return self._h_images
 
 
-FORMAT = FormatSpec(name="arrays", suffixes=(".npy", ".arrays"), writer=ArrayWriter, reader=ArrayReader,
+FORMAT = FormatSpec(name="arrays", suffixes=(".arrays",), writer=ArrayWriter, reader=ArrayReader,
                     payload="raw", needs_fixed_shape=True)

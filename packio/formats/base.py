@@ -59,8 +59,10 @@ def read_inside(root: Path, rel: str, checked: set[str]) -> bytes:
 class WriteOptions:
     """What a writer needs to know beyond the samples themselves."""
 
-    shard_samples: int = 10_000  # tar: samples per shard
+    shard_samples: int = 10_000  # tar: samples per shard (when ``shards`` is 0)
     shard_bytes: int = 1 << 30  # tar: bytes per shard (whichever limit comes first)
+    shards: int = 0  # tar: split ``expected`` samples evenly over this many shards
+    expected: int = 0  # samples the writer will be given at most (the listing's length)
     fixed_shape: tuple[int, int] | None = None  # (h, w) when every image has it
 
 

