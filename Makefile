@@ -24,7 +24,7 @@ test: install
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) tools/bench_formats.py
+	$(PY) -m packio.bench
 
 gpu-check: install
 	$(PY) tools/gpu_check.py

@@ -1,7 +1,8 @@
 """packio: pack image datasets once, then feed the GPU with few file reads.
 
 Public names load on first use, so ``import packio`` stays fast and imports
-neither torch nor any GPU code.
+neither torch nor any GPU code. The per-format dataset classes (``LMDBDataset``,
+``TarIterableDataset``, ...) come from the format registry (``packio.formats``).
 """
 
 from __future__ import annotations
@@ -24,20 +25,26 @@ _LAZY = {
     "open_dataset": "packio.datasets", "PackedDataset": "packio.datasets",
     "PackedIterableDataset": "packio.datasets", "DataLoader": "packio.datasets",
     "ResumableSampler": "packio.datasets",
-    **{f"{p}{kind}": "packio.datasets" for p in ("LMDB", "HDF5", "Tar", "BMP", "Array")
-       for kind in ("Dataset", "IterableDataset")},
     "open_reader": "packio.formats",
     "tune": "packio.tuning",
 }
 
-__all__ = sorted(_LAZY)
+
+def _format_class_names() -> list[str]:
+    from packio.formats import formats
+
+    return [f"{spec.class_prefix}{kind}" for spec in formats().values() for kind in ("Dataset", "IterableDataset")]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__all__":  # computed: it names every registered format's dataset classes
+        return sorted([*_LAZY, *_format_class_names()])
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name.endswith("Dataset") and name in _format_class_names():
+        return getattr(importlib.import_module("packio.datasets"), name)
     raise AttributeError(f"module 'packio' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted({*globals(), *_LAZY, *_format_class_names()})

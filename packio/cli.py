@@ -48,8 +48,10 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size from 1M to 1024T, like 512M or 1G, got {text!r}")
     return v
 
+__all__ = ["build_parser", "main"]
 
-def _hw(text: str) -> tuple[int, int]:
+
+def _parse_hw(text: str) -> tuple[int, int]:
     h, sep, w = text.lower().partition("x")
     side = _int_in(1, MAX_SIDE)
     try:
@@ -96,6 +98,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
     from packio.converter import describe_history, describe_output
     from packio.formats import open_reader
+    from packio.manifest import disk_bytes
 
     reader = open_reader(a.path)
     m = reader.manifest
@@ -103,7 +106,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
     p = Path(a.path)
-    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    size = disk_bytes(p)
     print(f"path:     {a.path}")
     print(f"format:   {m.format} (layout version {m.version})")
     print(f"samples:  {m.count}")
@@ -130,18 +133,20 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from packio.formats import formats
+
+    table = formats()  # format names and suffixes: whatever the registry holds
+    suffixes = " ".join(s for spec in table.values() for s in spec.suffixes)
     p = _Parser(prog="packio", description="Pack image datasets once; read them fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("convert", help="pack an image folder (+ CSV) or a packed dataset into a format",
-                       description="Pack SRC into DST. The format comes from DST's suffix: x.lmdb/ (LMDB), "
-                                   "x.h5 (HDF5 file), x.wds/ (folder of WebDataset shard-NNNNNN.tar), "
-                                   "x.bmpdir/ (pre-resized BMP files), x.arrays/ (pre-resized images.npy), "
-                                   "or from --format.")
+                       description="Pack SRC into DST. The format comes from DST's suffix: "
+                                   + ", ".join(f"x{spec.suffixes[0]} ({name})" for name, spec in table.items())
+                                   + ", or from --format.")
     c.add_argument("src", help="image folder (class sub-folders or flat), or a packed dataset")
-    c.add_argument("dst", help="output path; its suffix picks the format (.lmdb .h5 .wds .bmpdir .arrays)")
-    c.add_argument("--format", choices=["lmdb", "hdf5", "tar", "bmp", "arrays"],
-                   help="the output format (default: from DST's suffix)")
+    c.add_argument("dst", help=f"output path; its suffix picks the format ({suffixes})")
+    c.add_argument("--format", choices=list(table), help="the output format (default: from DST's suffix)")
     c.add_argument("--csv", help="CSV of annotation rows (filename,class,xmin,ymin,xmax,ymax,...)")
     c.add_argument("--csv-columns", metavar="MAP",
                    help="map fields to your CSV's columns, e.g. filename=path,class=cell_type")
@@ -156,10 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--parts", type=_int_in(1, 10**6), help="with --scheduler: number of parts (default 4 per "
                                                             "Dask worker)")
     c.add_argument("--strict", action="store_true", help="fail on any skipped input instead of counting it")
-    c.add_argument("--size", type=_hw, metavar="HxW", help=f"pre-resize every image to HxW (sides 1 to {MAX_SIDE})")
+    c.add_argument("--size", type=_parse_hw, metavar="HxW", help=f"pre-resize every image to HxW (sides 1 to {MAX_SIDE})")
     c.add_argument("--short-side", type=_int_in(1, MAX_SIDE), metavar="N",
                    help=f"pre-resize so the short side is N, 1 to {MAX_SIDE} (keeps aspect)")
-    c.add_argument("--crop", type=_hw, metavar="HxW", help="center-crop to HxW after resizing")
+    c.add_argument("--crop", type=_parse_hw, metavar="HxW", help="center-crop to HxW after resizing")
     c.add_argument("--encode", choices=["keep", "jpeg", "png", "bmp"], default="keep",
                    help="image encoding stored: 'keep' (default) stores each image's bytes as found when the "
                         "format can hold them (resized images keep their encoding); jpeg/png/bmp re-encode")

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
+__all__ = ["Ragged", "ragged", "unpack", "collate"]
+
 
 class Ragged:
     """Variable-length per-sample tensors as one flat tensor + lengths: crosses from

@@ -15,7 +15,6 @@ import functools
 import math
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import threading
@@ -32,11 +31,13 @@ from packio import decode as dec
 from packio import geometry as geo
 from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError, SourceError
 from packio.formats import base as formats_base
-from packio.formats import format_for_path, formats, get_format, open_reader
+from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
-from packio.manifest import MANIFEST_NAME, Manifest, describe_files
+from packio.manifest import MANIFEST_NAME, Manifest, describe_files, disk_bytes
 from packio.sample import Sample, checksum
 from packio.sources import SourceItem, boxes_to_stored_frame, scan_source
+
+__all__ = ["Summary", "convert"]
 
 TMP_MARK = ".packio-tmp-"
 REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
@@ -348,7 +349,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
                           f" only; drop --encode {encode} (or choose another output format)")
     if shards is not None and shard_samples is not None:
         raise PackioError("give the number of shards or the samples per shard, not both")
-    packed_src = (src / MANIFEST_NAME).is_file() or src.is_file() or _looks_like_shards(src)
+    packed_src = src.is_file() or is_packed(src)
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
     _check_paths(src, dst, csv)
@@ -446,7 +447,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, pac
     except BaseException:
         _remove(tmp)
         raise
-    summary.bytes = _size(dst)
+    summary.bytes = disk_bytes(dst)
     summary.seconds = time.perf_counter() - t0
     return summary
 
@@ -830,26 +831,8 @@ def _part_job(job: _Job, count: int) -> _Job:
 
 def describe_output(path: Path, m: Manifest) -> list[str]:
     """Lines telling how to open ``path`` with the neighbours' tools, and what its images are."""
-    n = m.count
-    lines: list[str] = []
-    if m.format == "tar":
-        pattern = tar_pattern(path, m)
-        if pattern:
-            shards = len([f for f in m.files if f.endswith(".tar")]) or len(m.extra.get("shards", []))
-            lines += [f"shards:   {shards} × ~{n // max(shards, 1)} samples: {pattern}",
-                      "          (paste into webdataset.WebDataset(...) or tar tf; members {key}.jpg/.cls/.json)"]
-    elif m.format == "arrays" and "parts" not in m.extra:
-        shape = m.image.get("shape") or ["H", "W", 3]
-        lines.append(f"arrays:   {path / 'images.npy'} uint8[{n}, {', '.join(map(str, shape))}], labels.npy int64[{n}]"
-                     f" (numpy.load(..., mmap_mode='r'))")
-    elif m.format == "hdf5":
-        what = "images uint8[N, H, W, 3]" if m.extra.get("fixed_shape") else "images_bytes + offsets"
-        lines.append(f"hdf5:     h5py.File('{path}'): {what}, labels, boxes + box_offsets")
-    elif m.format == "lmdb":
-        lines.append(f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
-                     f"u32le length | msgpack record | image bytes")
-    elif m.format == "bmp" and "parts" not in m.extra:
-        lines.append(f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)")
+    spec = formats().get(m.format)
+    lines: list[str] = spec.reader.describe(path, m) if spec is not None else []
     enc = m.image.get("encodings") or {}
     if enc:
         step = (m.image.get("history") or [{}])[-1]
@@ -886,44 +869,6 @@ def _step_text(step: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def tar_pattern(path: Path, m: Manifest) -> str | None:
-    """The brace pattern naming every shard (webdataset / braceexpand syntax), or a glob."""
-    if "parts" not in m.extra:
-        names = [s for s in m.extra.get("shards", []) if isinstance(s, str)]
-        pattern = _brace(names)
-        base = path if path.is_dir() else path.parent  # shards opened by a file name or pattern
-        return str(base / pattern) if pattern else None
-    groups: dict[str, list[str]] = {}
-    for rel in sorted(f for f in m.files if f.endswith(".tar")):
-        head, _, name = rel.rpartition("/")
-        groups.setdefault(head, []).append(name)
-    inner = {tuple(v) for v in groups.values()}
-    outer = _brace(list(groups))
-    if len(inner) == 1 and outer:
-        return str(path / outer / _brace(list(next(iter(inner))))) if _brace(list(next(iter(inner)))) else None
-    return str(path / "*" / "*.tar") + " (a glob: sorted(glob.glob(...)) lists the shards)"
-
-
-def _brace(names: list[str]) -> str | None:
-    """``shard-{000000..000007}.tar`` for contiguous, equally padded numbered names."""
-    found = [re.fullmatch(r"(.*?)(\d+)(\.[^/]*)?", n) for n in names]
-    if not names or not all(found) or len({(f[1], f[3], len(f[2])) for f in found}) != 1:  # type: ignore[index]
-        return None
-    nums = [int(f[2]) for f in found]  # type: ignore[index]
-    if nums != list(range(nums[0], nums[0] + len(nums))):
-        return None
-    if len(nums) == 1:
-        return names[0]
-    f, w = found[0], len(found[0][2])  # type: ignore[index]
-    return f"{f[1]}{{{nums[0]:0{w}d}..{nums[-1]:0{w}d}}}{f[3] or ''}"
-
-
-def _looks_like_shards(src: Path) -> bool:
-    from packio.formats.tar import TarReader
-
-    return TarReader.detect_shards(str(src))
-
-
 def _fsync_tree(root: Path) -> None:
     paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
     for p in paths:
@@ -932,9 +877,3 @@ def _fsync_tree(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

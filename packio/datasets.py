@@ -21,11 +21,14 @@ from packio.formats.base import Reader
 from packio.order import dist_info, epoch_order, rank_slice, worker_slice
 from packio.sample import Sample, checksum
 
+__all__ = ["PackedDataset", "PackedIterableDataset", "open_dataset", "format_classes", "ResumableSampler",
+           "DataLoader", "DeferredBatch"]
+
 log = logging.getLogger("packio")
 Size = int | tuple[int, int] | None
 
 
-def _hw(resize: Size) -> tuple[int, int] | None:
+def _resize_hw(resize: Size) -> tuple[int, int] | None:
     if resize is None:
         return None
     if isinstance(resize, int):
@@ -54,7 +57,7 @@ class _Items:
         if format_name and self.reader.manifest.format != format_name:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
                               f"use packio.open_dataset() to open any format")
-        self.decode, self.size, self.transform = decode, _hw(resize), transform
+        self.decode, self.size, self.transform = decode, _resize_hw(resize), transform
         self.backend, self.on_error, self.verify = backend, on_error, verify
         self.errors = 0
         self.threads = threads  # decode threads per process (the decoders release the GIL)
@@ -324,19 +327,30 @@ def open_dataset(path: str | Path, *, iterable: bool = False, **kwargs: Any) -> 
     return (PackedIterableDataset if iterable else PackedDataset)(path, **kwargs)
 
 
-def _pair(fmt: str, prefix: str) -> tuple[type[PackedDataset], type[PackedIterableDataset]]:
-    doc = f"A {prefix} dataset; see :class:`PackedDataset` / :class:`PackedIterableDataset`."
-    m = type(f"{prefix}Dataset", (PackedDataset,), {"format_name": fmt, "__doc__": doc, "__module__": __name__})
-    it = type(f"{prefix}IterableDataset", (PackedIterableDataset,),
-              {"format_name": fmt, "__doc__": doc, "__module__": __name__})
-    return m, it
+_FORMAT_CLASSES: dict[str, type] = {}
 
 
-LMDBDataset, LMDBIterableDataset = _pair("lmdb", "LMDB")
-HDF5Dataset, HDF5IterableDataset = _pair("hdf5", "HDF5")
-TarDataset, TarIterableDataset = _pair("tar", "Tar")
-BMPDataset, BMPIterableDataset = _pair("bmp", "BMP")
-ArrayDataset, ArrayIterableDataset = _pair("arrays", "Array")
+def format_classes() -> dict[str, type]:
+    """``{prefix}Dataset`` / ``{prefix}IterableDataset`` for every registered format
+    (``LMDBDataset``, ``TarIterableDataset``, ...): the generic classes pinned to one
+    format. Made once per name, so pickling (spawn workers) finds the same class."""
+    from packio.formats import formats
+
+    for spec in formats().values():
+        doc = f"A {spec.name} dataset; see :class:`PackedDataset` / :class:`PackedIterableDataset`."
+        for base in (PackedDataset, PackedIterableDataset):
+            name = f"{spec.class_prefix}{base.__name__.removeprefix('Packed')}"
+            if name not in _FORMAT_CLASSES:
+                _FORMAT_CLASSES[name] = type(name, (base,), {"format_name": spec.name, "__doc__": doc,
+                                                            "__module__": __name__})
+    return _FORMAT_CLASSES
+
+
+def __getattr__(name: str) -> Any:
+    cls = format_classes().get(name) if name.endswith("Dataset") else None
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cls
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):

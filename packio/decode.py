@@ -16,6 +16,9 @@ import numpy as np
 
 from packio import geometry as geo
 
+__all__ = ["MAX_PIXELS", "sniff", "image_size", "exif_orientation", "stored_hw", "available_backends",
+           "decode", "ResizeSpec", "resize", "apply_spec", "encode"]
+
 MAX_PIXELS = 178_956_970  # PIL's decompression-bomb limit: refuse larger headers
 
 

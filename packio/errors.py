@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["PackioError", "SourceError", "OutputExistsError", "FormatError", "CorruptSampleError"]
+
 
 class PackioError(Exception):
     """Base class of every error packio raises on purpose."""

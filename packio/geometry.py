@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+__all__ = ["ORIENTATIONS", "as_boxes", "as_labels", "scale", "resize", "hflip", "vflip", "transpose",
+           "upright_size", "orient", "inverse_orientation", "orient_image", "clip", "crop", "center_window"]
+
 ORIENTATIONS = range(1, 9)
 
 

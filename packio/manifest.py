@@ -10,6 +10,8 @@ from typing import Any
 
 from packio.errors import FormatError
 
+__all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "file_digest", "describe_files", "disk_bytes"]
+
 MANIFEST_NAME = "packio.json"
 DIGEST = "xxh3_128"  # file checksums; samples carry xxh3_64 (packio.sample.checksum)
 LAYOUT_VERSION = 1
@@ -89,6 +91,14 @@ def file_digest(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes a dataset (one file, or a folder's files) takes on disk."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def describe_files(root: Path, skip: tuple[str, ...] = (MANIFEST_NAME,)) -> dict[str, dict[str, Any]]:

@@ -10,6 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
+__all__ = ["epoch_order", "rank_slice", "worker_slice", "dist_info"]
+
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int,
                 units: Sequence[range] | None = None, window: int = 8) -> np.ndarray:

@@ -15,6 +15,8 @@ import numpy as np
 
 from packio.errors import CorruptSampleError
 
+__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "Sample", "sample_from_record"]
+
 ENCODINGS = ("jpeg", "png", "bmp", "webp", "raw")
 EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "webp": "webp", "raw": "npy"}
 

@@ -27,6 +27,8 @@ import numpy as np
 from packio import geometry as geo
 from packio.errors import SourceError
 
+__all__ = ["SourceItem", "Scan", "parse_columns", "boxes_to_stored_frame", "scan_source"]
+
 FIELDS = ("filename", "class", "xmin", "ymin", "xmax", "ymax", "label", "width", "height")
 BOX_FIELDS = ("xmin", "ymin", "xmax", "ymax")
 # Column names tried, in order and ignoring case, for a field the user did not map.

@@ -7,6 +7,8 @@ import os
 import time
 from typing import Any
 
+__all__ = ["tune"]
+
 
 def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any]) -> float:
     from packio.datasets import DataLoader, PackedIterableDataset

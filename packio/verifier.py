@@ -12,6 +12,8 @@ from packio.formats.base import Reader, inside
 from packio.manifest import DIGEST, MANIFEST_NAME, file_digest
 from packio.sample import checksum
 
+__all__ = ["VerifyReport", "verify"]
+
 
 @dataclass
 class VerifyReport:

@@ -1,4 +1,6 @@
-"""One contract, run against every format in the registry."""
+"""One contract, run against every format in the registry, and against a toy format
+that only this module registers (tests/toyformat.py): a format is one module plus
+one registration."""
 
 from __future__ import annotations
 
@@ -10,20 +12,33 @@ import torch
 
 import packio
 from packio import decode as dec
-from packio.formats import formats
+from packio.formats import formats, register, unregister
 from conftest import TRUTH
+import toyformat
 
-FORMATS = sorted(formats())
-SUFFIX = {name: spec.suffixes[0] for name, spec in formats().items()}
-RESIZE = {"arrays": dec.ResizeSpec(size=(48, 64)), "bmp": dec.ResizeSpec(short_side=40)}
+PLUGINS = {toyformat.FORMAT.name: toyformat.FORMAT}  # registered by the `packed` fixture only
+SPECS = {**formats(), **PLUGINS}
+FORMATS = sorted(SPECS)
+
+
+def resize_for(fmt: str) -> dec.ResizeSpec | None:
+    """Fixed-shape formats need one shape; BMP stores pixels, kept small here."""
+    spec = SPECS[fmt]
+    if spec.needs_fixed_shape:
+        return dec.ResizeSpec(size=(48, 64))
+    return dec.ResizeSpec(short_side=40) if spec.encoding == "bmp" else None
 
 
 def pack(src: Path, csv: Path | None, out: Path, fmt: str, **kw):
-    return packio.convert(src, out / f"ds{SUFFIX[fmt]}", csv=csv, resize=RESIZE.get(fmt), progress=False, **kw)
+    return packio.convert(src, out / f"ds{SPECS[fmt].suffixes[0]}", csv=csv, resize=resize_for(fmt),
+                          progress=False, **kw)
 
 
 @pytest.fixture(params=FORMATS)
 def packed(request, gen_folder, tmp_path):
+    if request.param in PLUGINS:
+        register(PLUGINS[request.param])
+        request.addfinalizer(lambda: unregister(request.param))
     src, csv = gen_folder
     summary = pack(src, csv, tmp_path, request.param)
     return request.param, Path(summary.output), src, csv, summary
@@ -33,7 +48,7 @@ def expected(src: Path, fmt: str):
     """What each stored sample must be, from the generator's own truth and the files."""
     truth = TRUTH[str(src)]
     classes = sorted({t[0] for t in truth.values()} | {c for t in truth.values() for c in t[2]})
-    spec = RESIZE.get(fmt)
+    spec = resize_for(fmt)
     out = {}
     for key, (label, boxes, box_classes) in truth.items():
         data = (src / key).read_bytes()

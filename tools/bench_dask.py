@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import packio  # noqa: E402
-from packio.bench import warm_cache  # noqa: E402
+from packio.bench.runner import warm_cache  # noqa: E402
 
 
 def main() -> int:

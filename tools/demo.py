@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import packio  # noqa: E402
-from synth import make_photo_folder  # noqa: E402
+from packio.bench.synth import make_photo_folder  # noqa: E402
 
 
 def main() -> int:

@@ -44,7 +44,7 @@ def main() -> int:
 
     import simplejpeg
 
-    from synth import photo
+    from packio.bench.synth import photo
 
     from packio import decode as cpu
     from packio.cuda import GPUTransform, Prefetcher, decode_batch

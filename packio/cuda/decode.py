@@ -12,6 +12,8 @@ from packio import decode as cpu
 from packio.cuda.device import resolve
 from packio.errors import PackioError
 
+__all__ = ["decode_batch"]
+
 
 def _torchvision_io():
     try:

@@ -8,6 +8,8 @@ import torch
 
 from packio.errors import PackioError
 
+__all__ = ["resolve"]
+
 _warned: set[str] = set()
 
 

@@ -8,6 +8,8 @@ import torch
 
 from packio.cuda.device import resolve
 
+__all__ = ["Prefetcher"]
+
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):

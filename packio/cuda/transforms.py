@@ -14,6 +14,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "Boxes", "resize", "center_crop", "random_resized_crop", "hflip",
+           "normalize", "GPUTransform"]
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 Boxes = list[torch.Tensor] | None

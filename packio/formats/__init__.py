@@ -1,4 +1,10 @@
-"""The one registry: format name / suffix → FormatSpec; open any packed dataset."""
+"""The one registry: format name / suffix → FormatSpec; open any packed dataset.
+
+A format is one module defining ``FORMAT = FormatSpec(...)`` plus one line here
+(built-in formats) or one ``register(spec)`` call (a plugin's or a test's format):
+readers, dataset classes, ``convert``, the CLI and the benchmark all read the
+registry.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +15,40 @@ from packio.errors import FormatError
 from packio.formats.base import FormatSpec, Reader
 from packio.manifest import MANIFEST_NAME
 
-_MODULES = ("lmdb", "hdf5", "tar", "bmp", "arrays")
+__all__ = ["FormatSpec", "Reader", "format_for_path", "formats", "get_format", "is_packed", "open_reader",
+           "register", "unregister"]
+
+_MODULES = ("lmdb", "hdf5", "tar", "bmp", "arrays")  # built-in formats: packio.formats.<module>.FORMAT
+_REGISTERED: dict[str, FormatSpec] = {}  # added at run time by register()
 
 
 def formats() -> dict[str, FormatSpec]:
-    """Every format, by name (imports each format's module on first use)."""
+    """Every format, by name: the built-in ones (imported on first use), then the
+    registered ones."""
     out = {}
     for mod in _MODULES:
         spec = importlib.import_module(f"packio.formats.{mod}").FORMAT
         out[spec.name] = spec
+    out.update(_REGISTERED)
     return out
+
+
+def register(spec: FormatSpec) -> FormatSpec:
+    """Add a format to the registry (for this process). Its name and suffixes must be
+    new. Returns ``spec``, so a module can write ``FORMAT = register(FormatSpec(...))``."""
+    table = formats()
+    if spec.name in table and table[spec.name] is not spec:
+        raise FormatError(f"a format named {spec.name!r} is already registered")
+    taken = {s for other in table.values() if other is not spec for s in other.suffixes}
+    if taken & set(spec.suffixes):
+        raise FormatError(f"format {spec.name!r}: suffixes {sorted(taken & set(spec.suffixes))} are taken")
+    _REGISTERED[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a format added with :func:`register` (built-in ones stay)."""
+    _REGISTERED.pop(name, None)
 
 
 def get_format(name: str) -> FormatSpec:
@@ -39,8 +69,20 @@ def format_for_path(path: str | Path) -> FormatSpec:
                       f"use one of {known}, or pass --format")
 
 
+def _claimed_by(path: str | Path) -> FormatSpec | None:
+    """The format whose reader recognises ``path`` without a packio manifest."""
+    return next((spec for spec in formats().values() if spec.reader.claims(str(path))), None)
+
+
+def is_packed(path: str | Path) -> bool:
+    """Whether ``path`` is a dataset ``open_reader`` can open (rather than an image folder)."""
+    p = Path(path)
+    return (p / MANIFEST_NAME).is_file() or _claimed_by(path) is not None
+
+
 def open_reader(path: str | Path) -> Reader:
-    """Open a packed dataset: by its manifest, an HDF5 signature, or tar shards."""
+    """Open a packed dataset: by its manifest, or by the first format whose reader
+    claims the path (an HDF5 file, tar shards written by any tool)."""
     p = Path(path)
     if p.is_dir() and (p / MANIFEST_NAME).is_file():
         manifest = Reader.read_manifest(p)
@@ -50,13 +92,10 @@ def open_reader(path: str | Path) -> Reader:
 
             return MultiPartReader(p, manifest, spec)
         return spec.reader(p, manifest)
-    hdf5 = get_format("hdf5")
-    if p.is_file() and p.read_bytes()[:8] == b"\x89HDF\r\n\x1a\n":
-        return hdf5.reader(p, hdf5.reader.read_manifest(p))
-    tar = get_format("tar")
-    if tar.reader.detect_shards(str(path)):
-        return tar.reader.from_shards(str(path))
+    spec = _claimed_by(path)
+    if spec is not None:
+        return spec.reader.open_unlisted(str(path))
     if not p.exists():
         raise FormatError(f"{path}: no such file or folder")
-    raise FormatError(f"{path}: not a packed dataset (no {MANIFEST_NAME}, not HDF5, no .tar shards); "
+    raise FormatError(f"{path}: not a packed dataset (no {MANIFEST_NAME}, and no format recognises it); "
                       f"pack it first with 'packio convert'")

@@ -1,7 +1,7 @@
 """Pre-resized uint8 arrays, a folder ``DST.arrays/``: ``images.npy`` uint8[N, H, W, 3] (memory-mapped; a
-batch of indices is one fancy-index slice), ``labels.npy`` int64[N], boxes as
-``boxes.npy`` float32[M, 4] + ``box_labels.npy`` int64[M] + ``box_offsets.npy``
-int64[N+1], ``keys.npy`` (unicode), and the full records (with checksums) in
+batch of indices is one fancy-index slice), the label/box columns shared with HDF5
+(packio/formats/columns.py) as ``labels.npy``, ``boxes.npy``, ``box_labels.npy``,
+``box_offsets.npy``, ``keys.npy`` (unicode), and the full records (with checksums) in
 ``records.bin`` / ``records.idx.npy``. Plain ``numpy.load(..., mmap_mode="r")``
 reads every array; a batch needs no per-sample record parsing.
 """
@@ -16,7 +16,11 @@ import numpy as np
 
 from packio.errors import FormatError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, inside
+from packio.formats.columns import NAMES, ColumnBuffer, Columns
+from packio.manifest import Manifest
 from packio.sample import Sample
+
+__all__ = ["ArrayWriter", "ArrayReader", "FORMAT"]
 
 _HEADER = 256  # bytes reserved for the .npy header, rewritten with the final N
 
@@ -39,9 +43,7 @@ class ArrayWriter(Writer):
         self._h, self._w = options.fixed_shape
         self._out = open(path / "images.npy", "wb")
         self._out.write(_npy_header((0, self._h, self._w, 3)))
-        self._labels: list[int] = []
-        self._boxes: list[np.ndarray] = []
-        self._box_labels: list[np.ndarray] = []
+        self._columns = ColumnBuffer()
         self._keys: list[str] = []
         self._records = RecordFile(path)
 
@@ -50,9 +52,7 @@ class ArrayWriter(Writer):
         if not isinstance(img, np.ndarray) or img.shape != (self._h, self._w, 3) or img.dtype != np.uint8:
             raise ValueError(f"{sample.key}: expected uint8[{self._h}, {self._w}, 3]")
         self._out.write(np.ascontiguousarray(img).data)
-        self._labels.append(sample.label)
-        self._boxes.append(np.asarray(sample.boxes, np.float32).reshape(-1, 4))
-        self._box_labels.append(np.asarray(sample.box_labels, np.int64))
+        self._columns.add(sample)
         self._keys.append(sample.key)
         self._records.add(sample.record())
         self.count += 1
@@ -62,10 +62,10 @@ class ArrayWriter(Writer):
         self._out.write(_npy_header((self.count, self._h, self._w, 3)))
         self._out.close()
         save = lambda name, arr: np.save(self.path / name, arr, allow_pickle=False)  # noqa: E731
-        save("labels.npy", np.asarray(self._labels, np.int64))
-        save("boxes.npy", np.concatenate(self._boxes) if self._boxes else np.zeros((0, 4), np.float32))
-        save("box_labels.npy", np.concatenate(self._box_labels) if self._box_labels else np.zeros(0, np.int64))
-        save("box_offsets.npy", np.concatenate([[0], np.cumsum([len(b) for b in self._boxes])]).astype(np.int64))
+        columns = self._columns.drain()
+        columns["box_offsets"] = np.concatenate([[0], columns["box_offsets"]]).astype(np.int64)
+        for name, column in columns.items():
+            save(f"{name}.npy", column)
         save("keys.npy", np.asarray(self._keys, dtype=str) if self._keys else np.zeros(0, "U1"))
         self._records.close()
         return {"images": "images.npy", "labels": "labels.npy", "shape": [self._h, self._w, 3]}
@@ -77,6 +77,14 @@ class ArrayWriter(Writer):
 
 class ArrayReader(Reader):
     cheap_gather = True
+
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        if "parts" in manifest.extra:
+            return []
+        n, shape = manifest.count, manifest.image.get("shape") or ["H", "W", 3]
+        return [f"arrays:   {path / 'images.npy'} uint8[{n}, {', '.join(map(str, shape))}], labels.npy int64[{n}]"
+                f" (numpy.load(..., mmap_mode='r'))"]
 
     def _open(self) -> None:
         try:
@@ -91,26 +99,19 @@ class ArrayReader(Reader):
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
         self._h_meta = None
 
-    def _meta(self) -> tuple[np.ndarray, ...]:
-        """labels, boxes, box labels, box offsets, keys: loaded and checked once."""
+    def _meta(self) -> tuple[Columns, np.ndarray]:
+        """The label/box columns and the keys: loaded and checked once."""
         if self._h_meta is None:
             n = self.manifest.count
             try:
-                arrs = [np.load(inside(self.path, f), allow_pickle=False, mmap_mode="r" if f == "keys.npy" else None)
-                        for f in ("labels.npy", "boxes.npy", "box_labels.npy", "box_offsets.npy", "keys.npy")]
+                arrays = {name: np.load(inside(self.path, f"{name}.npy"), allow_pickle=False) for name in NAMES}
+                keys = np.load(inside(self.path, "keys.npy"), allow_pickle=False, mmap_mode="r")
             except (OSError, ValueError) as exc:
                 raise FormatError(f"{self.path}: cannot read the label/box arrays ({exc}); re-pack it") from None
             self._check_root()  # loaded later than the images: from the same dataset?
-            labels, boxes, box_labels, off, keys = arrs
-            ok = (labels.shape == (n,) and labels.dtype == np.int64 and boxes.dtype == np.float32
-                  and boxes.ndim == 2 and boxes.shape[1] == 4 and box_labels.shape == (len(boxes),)
-                  and box_labels.dtype == np.int64 and off.shape == (n + 1,) and off.dtype == np.int64
-                  and keys.shape == (n,) and keys.dtype.kind == "U"
-                  and (n == 0 or (off[0] == 0 and off[-1] == len(boxes) and bool(np.all(np.diff(off) >= 0)))))
-            if not ok:
-                raise FormatError(f"{self.path}: label/box arrays do not match the manifest's {n} samples; "
-                                  f"the dataset is damaged, re-pack it")
-            self._h_meta = (labels, boxes, box_labels, off, keys)
+            if keys.shape != (n,) or keys.dtype.kind != "U":
+                raise FormatError(f"{self.path}: keys.npy does not match the manifest's {n} samples; re-pack it")
+            self._h_meta = (Columns.checked(arrays, n, str(self.path)), keys)
         return self._h_meta
 
     def _drop_handles(self) -> None:
@@ -133,12 +134,8 @@ class ArrayReader(Reader):
     def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
         self._ensure_open()
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
-        labels, boxes, box_labels, off, keys = self._meta()
-        a, b = off[idx], off[idx + 1]
-        return {"image": self.gather(idx), "label": labels[idx],
-                "boxes": [boxes[i:j] for i, j in zip(a.tolist(), b.tolist())],
-                "box_labels": [box_labels[i:j] for i, j in zip(a.tolist(), b.tolist())],
-                "key": keys[idx].tolist(), "index": idx}
+        columns, keys = self._meta()
+        return {"image": self.gather(idx), **columns.take(idx), "key": keys[idx].tolist(), "index": idx}
 
     def gather(self, idx: np.ndarray) -> np.ndarray:
         """uint8[B, H, W, 3] for these indices. From a plain ndarray view of the map:
@@ -153,4 +150,4 @@ class ArrayReader(Reader):
 
 
 FORMAT = FormatSpec(name="arrays", suffixes=(".arrays",), writer=ArrayWriter, reader=ArrayReader,
-                    payload="raw", needs_fixed_shape=True)
+                    stores="pixels", needs_fixed_shape=True, dataset_prefix="Array")

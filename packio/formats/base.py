@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from abc import ABC, abstractmethod
@@ -16,6 +17,10 @@ import numpy as np
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, manifest_id
 from packio.sample import Sample, sample_from_record
+
+__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "file_starts_with", "payload_bytes",
+           "MAX_BOXES", "inside", "read_inside",
+           "Writer", "Reader", "RecordFile", "FormatSpec"]
 
 MAX_BOXES = 1 << 20  # per sample: the reader's msgpack array limit; the converter skips samples with more
 
@@ -66,11 +71,29 @@ class WriteOptions:
     fixed_shape: tuple[int, int] | None = None  # (h, w) when every image has it
 
 
-def pack_record(rec: dict[str, Any]) -> bytes:
+# The one record codec. Every format stores a sample's record (packio.sample.Sample.record)
+# as msgpack, except tar shards, whose ``.json`` member is read by WebDataset and other
+# tools as is: there the same record is compact JSON, read with the same limits.
+MAX_RECORD_BYTES = 1 << 24  # a record is ~100 bytes plus its boxes; refuse more from a stranger's file
+
+
+def pack_record(rec: dict[str, Any], *, text: bool = False) -> bytes:
+    """Encode a record: msgpack, or compact JSON with ``text=True``."""
+    if text:
+        return json.dumps(rec, separators=(",", ":")).encode()
     return msgpack.packb(rec, use_bin_type=True)
 
 
-def unpack_record(data: bytes | memoryview, where: str) -> Any:
+def unpack_record(data: bytes | memoryview, where: str, *, text: bool = False) -> Any:
+    """Decode a record from an untrusted file: bounded size, element counts (msgpack)
+    and nesting; any failure is a ``CorruptSampleError`` naming ``where``."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise CorruptSampleError(where, f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+    if text:
+        try:
+            return json.loads(bytes(data))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise CorruptSampleError(where, f"record is not valid JSON ({exc})") from None
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 20,
                                max_str_len=1 << 20, max_array_len=MAX_BOXES, max_map_len=1 << 16)
@@ -87,6 +110,15 @@ def decode_stored(rec: Any, payload: bytes | np.ndarray, where: str) -> Sample:
             raise CorruptSampleError(sample.key, f"raw payload of {len(payload)} bytes does not fit {shape}")
         sample.payload = np.frombuffer(payload, np.uint8).reshape(shape)
     return sample
+
+
+def file_starts_with(path: str | Path, magic: bytes) -> bool:
+    """Whether ``path`` is a file beginning with ``magic`` (for ``Reader.claims``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:  # a folder, a missing path, no permission: not this format's file
+        return False
 
 
 def payload_bytes(sample: Sample) -> bytes | memoryview:
@@ -135,6 +167,22 @@ class Reader(ABC):
             raise FormatError(f"{path}: cannot read {MANIFEST_NAME} ({exc.strerror}); "
                               f"is this a dataset packed by packio?") from None
         return Manifest.from_json(text, str(mpath))
+
+    @classmethod
+    def claims(cls, path: str) -> bool:
+        """True when ``path`` is this format's data without a packio manifest beside it
+        (an HDF5 file, tar shards): :meth:`open_unlisted` opens it."""
+        return False
+
+    @classmethod
+    def open_unlisted(cls, path: str) -> "Reader":
+        raise FormatError(f"{path}: not a packed dataset")
+
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        """Lines for ``packio info`` / the convert summary: how to open ``path`` with
+        the neighbours' tools (h5py, numpy, lmdb, webdataset, tar)."""
+        return []
 
     def __len__(self) -> int:
         return self.manifest.count
@@ -274,15 +322,36 @@ class RecordFile:
 
 @dataclass(frozen=True)
 class FormatSpec:
-    """One format: its name, suffixes, writer and reader, kept side by side."""
+    """One format: its name, suffixes, writer and reader, kept side by side.
+    Registered in ``packio.formats`` (built in, or ``packio.formats.register``),
+    it gets everything else from there: ``open_reader`` / ``open_dataset``,
+    ``convert``, the CLI, the ``{dataset_prefix}Dataset`` classes and the benchmark."""
 
     name: str
     suffixes: tuple[str, ...]
     writer: type[Writer]
     reader: type[Reader]
-    payload: str  # "encoded": bytes as found / re-encoded JPEG; "raw": decoded pixels; "bmp"
+    stores: str = "files"  # "files": encoded images (as found, or re-encoded); "pixels": decoded uint8 HWC
+    encoding: str | None = None  # the one encoding every stored file gets ("bmp"); None: the source's, or JPEG
     needs_fixed_shape: bool = False
     raw_when_fixed: bool = False  # store decoded pixels when every image has one pre-resized shape
+    dataset_prefix: str = ""  # packio.{prefix}Dataset / {prefix}IterableDataset; default: name.capitalize()
+
+    @property
+    def class_prefix(self) -> str:
+        return self.dataset_prefix or self.name.capitalize()
+
+    def __post_init__(self) -> None:
+        if self.stores not in ("files", "pixels"):
+            raise ValueError(f"format {self.name!r}: stores must be 'files' or 'pixels', not {self.stores!r}")
+
+    @property
+    def payload(self) -> str:
+        """The payload kind written to ``manifest.image["payload"]`` by default: "raw"
+        (decoded pixels), the one fixed encoding ("bmp"), or "encoded"."""
+        return "raw" if self.stores == "pixels" else self.encoding or "encoded"
 
     def payload_for(self, fixed_shape: tuple[int, int] | None) -> str:
+        """The payload kind for this conversion: pixels when the format keeps them for
+        one fixed shape (HDF5), else :attr:`payload`."""
         return "raw" if self.raw_when_fixed and fixed_shape is not None else self.payload

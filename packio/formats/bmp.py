@@ -13,7 +13,10 @@ from typing import Any
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes,
                                  read_inside)
+from packio.manifest import Manifest
 from packio.sample import Sample
+
+__all__ = ["BMPWriter", "BMPReader", "FORMAT"]
 
 
 def _rel(i: int) -> str:
@@ -44,6 +47,12 @@ class BMPWriter(Writer):
 
 
 class BMPReader(Reader):
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        if "parts" in manifest.extra:
+            return []
+        return [f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)"]
+
     def _open(self) -> None:
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
         self._h_dirs: set[str] = set()  # image folders checked to lie inside the dataset
@@ -68,4 +77,5 @@ class BMPReader(Reader):
         return decode_stored(rec, payload, f"#{i}")
 
 
-FORMAT = FormatSpec(name="bmp", suffixes=(".bmpdir",), writer=BMPWriter, reader=BMPReader, payload="bmp")
+FORMAT = FormatSpec(name="bmp", suffixes=(".bmpdir",), writer=BMPWriter, reader=BMPReader, encoding="bmp",
+                    dataset_prefix="BMP")

@@ -3,15 +3,14 @@
 - ``images_bytes`` uint8[total] + ``offsets`` int64[N+1]: encoded image i is
   ``images_bytes[offsets[i]:offsets[i+1]]``; or, for pre-resized fixed-shape data,
   ``images`` uint8[N, H, W, 3] chunked one sample per chunk.
-- ``labels`` int64[N]; ``boxes`` float32[M, 4] (xyxy) with ``box_labels`` int64[M]
-  and ``box_offsets`` int64[N+1] (boxes of i are rows box_offsets[i]:box_offsets[i+1]).
+- ``labels``, ``boxes``, ``box_labels``, ``box_offsets``: the label/box columns shared
+  with the arrays format (packio/formats/columns.py).
 - ``records`` uint8 + ``record_offsets``: packio's msgpack record per sample.
 - attribute ``packio_manifest``: the manifest as JSON.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,16 @@ import h5py
 import numpy as np
 
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
-                                 payload_bytes, unpack_record)
+from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, file_starts_with,
+                                 pack_record, payload_bytes, unpack_record)
+from packio.formats.columns import NAMES, ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
 
+__all__ = ["HDF5Writer", "HDF5Reader", "FORMAT"]
+
 ATTR = "packio_manifest"
+SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _FLUSH = 256
 ARRAYS = ("images", "images_bytes", "offsets", "labels", "boxes", "box_labels", "box_offsets", "records",
           "record_offsets")
@@ -71,7 +74,7 @@ class HDF5Writer(Writer):
         self._f = h5py.File(path, "w", libver="latest")
         self._buf: list[Sample] = []
         self._offset = 0
-        self._box_offset = 0
+        self._columns = ColumnBuffer()
         self._rec_offset = 0
         self._f.create_dataset("offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
         self._f.create_dataset("box_offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
@@ -79,6 +82,7 @@ class HDF5Writer(Writer):
 
     def add(self, sample: Sample) -> None:
         self._buf.append(sample)
+        self._columns.add(sample)
         self.count += 1
         if len(self._buf) >= _FLUSH:
             self._flush()
@@ -96,13 +100,8 @@ class HDF5Writer(Writer):
             ends = self._offset + np.cumsum([len(b) for b in blobs])
             self._offset = int(ends[-1])
             _append(f, "offsets", ends.astype(np.int64), (4096,))
-        _append(f, "labels", np.array([s.label for s in buf], np.int64), (4096,))
-        boxes = np.concatenate([s.boxes.reshape(-1, 4) for s in buf]).astype(np.float32)
-        _append(f, "boxes", boxes, (4096, 4))
-        _append(f, "box_labels", np.concatenate([s.box_labels for s in buf]).astype(np.int64), (4096,))
-        ends = self._box_offset + np.cumsum([len(s.boxes) for s in buf])
-        self._box_offset = int(ends[-1])
-        _append(f, "box_offsets", ends.astype(np.int64), (4096,))
+        for name, column in self._columns.drain().items():
+            _append(f, name, column, (4096, *column.shape[1:]))
         recs = [pack_record(s.record()) for s in buf]
         _append(f, "records", np.frombuffer(b"".join(recs), np.uint8), (1 << 16,))
         ends = self._rec_offset + np.cumsum([len(r) for r in recs])
@@ -133,6 +132,19 @@ class HDF5Writer(Writer):
 
 class HDF5Reader(Reader):
     @classmethod
+    def claims(cls, path: str) -> bool:
+        return file_starts_with(path, SIGNATURE)
+
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        what = "images uint8[N, H, W, 3]" if manifest.extra.get("fixed_shape") else "images_bytes + offsets"
+        return [f"hdf5:     h5py.File('{path}'): {what}, labels, boxes + box_offsets"]
+
+    @classmethod
+    def open_unlisted(cls, path: str) -> "HDF5Reader":
+        return cls(Path(path), cls.read_manifest(Path(path)))
+
+    @classmethod
     def read_manifest(cls, path: Path) -> Manifest:
         try:
             with h5py.File(path, "r") as f:
@@ -145,7 +157,6 @@ class HDF5Reader(Reader):
 
     def _open(self) -> None:
         try:
-            sys.audit("open", str(self.path), "r", 0)  # a C-level open, made visible to audit hooks
             f = h5py.File(self.path, "r")
         except OSError as exc:
             raise FormatError(f"{self.path}: cannot open as HDF5 ({exc})") from None
@@ -223,21 +234,15 @@ class HDF5Reader(Reader):
             return None
         f = self._h_f
         if "_h_meta" not in self.__dict__:
-            self._h_meta = (f["labels"][:], f["boxes"][:], f["box_labels"][:], f["box_offsets"][:])
-        labels, boxes, box_labels, off = self._h_meta
-        n = self.manifest.count
-        if len(labels) != n or len(off) != n + 1 or (n and (off[-1] != len(boxes) or len(boxes) != len(box_labels))):
-            raise FormatError(f"{self.path}: label/box arrays do not match the manifest; the file is damaged")
+            self._h_meta = Columns.checked({k: f[k][:] for k in NAMES if k in f}, self.manifest.count,
+                                           str(self.path))
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
         d = self._h_images
         out = np.empty((len(idx), *d.shape[1:]), np.uint8)
         for j, i in enumerate(idx.tolist()):
             d.read_direct(out, np.s_[i], np.s_[j])
-        a, b = off[idx], off[idx + 1]
         keys = [str(self._record(int(i)).get("key", "")) for i in idx]
-        return {"image": out, "label": labels[idx], "boxes": [boxes[x:y] for x, y in zip(a.tolist(), b.tolist())],
-                "box_labels": [box_labels[x:y] for x, y in zip(a.tolist(), b.tolist())], "key": keys,
-                "index": idx}
+        return {"image": out, **self._h_meta.take(idx), "key": keys, "index": idx}
 
     def read_many(self, indices: list[int]) -> list[Sample]:
         self._ensure_open()
@@ -250,4 +255,4 @@ class HDF5Reader(Reader):
 
 
 FORMAT = FormatSpec(name="hdf5", suffixes=(".h5", ".hdf5"), writer=HDF5Writer, reader=HDF5Reader,
-                    payload="encoded", raw_when_fixed=True)
+                    raw_when_fixed=True, dataset_prefix="HDF5")

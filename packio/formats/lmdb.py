@@ -13,7 +13,10 @@ import lmdb
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, pack_record,
                                  payload_bytes, unpack_record)
+from packio.manifest import Manifest
 from packio.sample import Sample
+
+__all__ = ["LMDBWriter", "LMDBReader", "FORMAT"]
 
 _LEN = struct.Struct("<I")
 _TXN_SAMPLES = 2048
@@ -104,6 +107,11 @@ def _release_env(path: Path, ident: str) -> None:
 
 
 class LMDBReader(Reader):
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        return [f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
+                f"u32le length | msgpack record | image bytes"]
+
     def _open(self) -> None:
         if not inside(self.path, "data.mdb").is_file():
             raise FormatError(f"{self.path}: no data.mdb inside; this LMDB dataset is incomplete")
@@ -138,4 +146,5 @@ class LMDBReader(Reader):
         return decode_stored(rec, bytes(value[4 + n:]), f"#{i}")
 
 
-FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader, payload="encoded")
+FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader,
+                    dataset_prefix="LMDB")

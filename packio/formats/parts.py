@@ -15,6 +15,8 @@ from packio.formats.base import FormatSpec, Reader, inside
 from packio.manifest import Manifest
 from packio.sample import Sample
 
+__all__ = ["MultiPartReader"]
+
 
 class MultiPartReader(Reader):
     def __init__(self, path: Path, manifest: Manifest, spec: FormatSpec) -> None:

@@ -12,7 +12,6 @@ absolute names and links are refused.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import tarfile
@@ -23,9 +22,12 @@ import numpy as np
 
 from packio.decode import sniff
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, payload_bytes
+from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside,
+                                 pack_record, payload_bytes, unpack_record)
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
+
+__all__ = ["TarWriter", "TarReader", "FORMAT", "tar_pattern"]
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX = "index.npy"
@@ -76,7 +78,7 @@ class TarWriter(Writer):
             self._roll()
         key = f"{self.count:010d}"  # WebDataset keys cannot hold dots; the original key is in the json
         data = payload_bytes(sample)
-        rec = json.dumps(sample.record(), separators=(",", ":")).encode()
+        rec = pack_record(sample.record(), text=True)  # .json: what WebDataset pipelines decode
         row = [len(self._shards) - 1]
         for name, blob in ((f"{key}.{EXTENSIONS[sample.encoding]}", data), (f"{key}.json", rec)):
             row += [self._add(name, blob), len(blob)]
@@ -174,6 +176,38 @@ def _expand(pattern: str) -> list[str]:
     return list(braceexpand(pattern))
 
 
+def tar_pattern(path: Path, m: Manifest) -> str | None:
+    """The brace pattern naming every shard (webdataset / braceexpand syntax), or a glob."""
+    if "parts" not in m.extra:
+        names = [s for s in m.extra.get("shards", []) if isinstance(s, str)]
+        pattern = _brace(names)
+        base = path if path.is_dir() else path.parent  # shards opened by a file name or pattern
+        return str(base / pattern) if pattern else None
+    groups: dict[str, list[str]] = {}
+    for rel in sorted(f for f in m.files if f.endswith(".tar")):
+        head, _, name = rel.rpartition("/")
+        groups.setdefault(head, []).append(name)
+    inner = {tuple(v) for v in groups.values()}
+    outer = _brace(list(groups))
+    if len(inner) == 1 and outer:
+        return str(path / outer / _brace(list(next(iter(inner))))) if _brace(list(next(iter(inner)))) else None
+    return str(path / "*" / "*.tar") + " (a glob: sorted(glob.glob(...)) lists the shards)"
+
+
+def _brace(names: list[str]) -> str | None:
+    """``shard-{000000..000007}.tar`` for contiguous, equally padded numbered names."""
+    found = [re.fullmatch(r"(.*?)(\d+)(\.[^/]*)?", n) for n in names]
+    if not names or not all(found) or len({(f[1], f[3], len(f[2])) for f in found}) != 1:  # type: ignore[index]
+        return None
+    nums = [int(f[2]) for f in found]  # type: ignore[index]
+    if nums != list(range(nums[0], nums[0] + len(nums))):
+        return None
+    if len(nums) == 1:
+        return names[0]
+    f, w = found[0], len(found[0][2])  # type: ignore[index]
+    return f"{f[1]}{{{nums[0]:0{w}d}..{nums[-1]:0{w}d}}}{f[3] or ''}"
+
+
 class TarReader(Reader):
     """Random access through the member index; one open file per shard per process."""
 
@@ -207,6 +241,24 @@ class TarReader(Reader):
             return True
         return p.is_dir() and not (p / "packio.json").exists() and any(p.glob("*.tar")) and all(
             f.suffix == ".tar" for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+
+    @classmethod
+    def claims(cls, path: str) -> bool:
+        return cls.detect_shards(path)
+
+    @classmethod
+    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
+        pattern = tar_pattern(path, manifest)
+        if not pattern:
+            return []
+        n = manifest.count
+        shards = len([f for f in manifest.files if f.endswith(".tar")]) or len(manifest.extra.get("shards", []))
+        return [f"shards:   {shards} × ~{n // max(shards, 1)} samples: {pattern}",
+                "          (paste into webdataset.WebDataset(...) or tar tf; members {key}.jpg/.cls/.json)"]
+
+    @classmethod
+    def open_unlisted(cls, path: str) -> "TarReader":
+        return cls.from_shards(path)
 
     @classmethod
     def from_shards(cls, path: str) -> "TarReader":
@@ -261,25 +313,27 @@ class TarReader(Reader):
             raise CorruptSampleError(f"#{i}", f"shard {self.shards[shard].name} is truncated")
         return data
 
+    def _record(self, shard: int, off: int, size: int, i: int) -> Any:
+        if size > MAX_RECORD_BYTES:  # checked before reading: the index comes from the file
+            raise CorruptSampleError(f"#{i}", f"json member of {size} bytes exceeds {MAX_RECORD_BYTES}")
+        return unpack_record(self._pread(shard, off, size, i), f"#{i}", text=True)
+
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
         shard, ioff, isize, joff, jsize = (int(v) for v in self.index[i])
         payload = self._pread(shard, ioff, isize, i)
         if self.foreign is None:
-            try:
-                rec = json.loads(self._pread(shard, joff, jsize, i))
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise CorruptSampleError(f"#{i}", f"json member is not valid JSON ({exc})") from None
+            rec = self._record(shard, joff, jsize, i)
         else:
             key, label = self.foreign[i]
             rec = {"key": key, "encoding": sniff(payload) or "jpeg", "label": label, "boxes": [],
                    "box_labels": [], "width": 0, "height": 0}
             if joff >= 0:
                 try:
-                    extra = json.loads(self._pread(shard, joff, jsize, i))
-                except (ValueError, UnicodeDecodeError):
-                    extra = None
+                    extra = self._record(shard, joff, jsize, i)
+                except CorruptSampleError:
+                    extra = None  # another tool's .json: use what fits packio's record, else ignore it
                 if isinstance(extra, dict):
                     rec.update({k: extra[k] for k in ("boxes", "box_labels", "label", "width", "height",
                                                       "checksum", "key") if k in extra})
@@ -297,4 +351,4 @@ class TarReader(Reader):
         return out
 
 
-FORMAT = FormatSpec(name="tar", suffixes=(".wds",), writer=TarWriter, reader=TarReader, payload="encoded")
+FORMAT = FormatSpec(name="tar", suffixes=(".wds",), writer=TarWriter, reader=TarReader)

@@ -1,13 +1,15 @@
-"""Benchmark: pack one dataset into every format and compare readers, limits and a
-naive per-file baseline. ``packio bench --help`` / ``tools/bench_formats.py --help``.
+"""Benchmark: pack one dataset into every registered format and compare readers,
+limits and a naive per-file baseline. ``packio bench --help``.
 
 Every read measurement runs in a fresh subprocess (isolated RSS, page cache state
 and worker pools); figures are medians of interleaved repeats. Warm: the files are
 read once into the page cache, the loader (persistent workers) runs an untimed
 warm-up, then one whole epoch is timed. Cold: the files are evicted
 (POSIX_FADV_DONTNEED, checked with mincore), then a fresh epoch is timed after its
-first batch (start-up is reported apart, as ``first batch s``). Peak RSS counts
-mapped file pages (LMDB, memory maps).
+first batch (start-up is reported apart, as ``first batch s``). Opens and peak
+memory are measured from outside the child (:mod:`packio.bench.probe`): opens from
+strace (or /proc fd sampling), memory as the peak PSS summed over the child and its
+DataLoader workers while they live (mapped file pages count: LMDB, memory maps).
 """
 
 from __future__ import annotations
@@ -18,32 +20,50 @@ import json
 import mmap
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
+from packio.bench.probe import MARKER, Probe, count_opens, strace_prefix, wait_and_probe
+from packio.manifest import disk_bytes
+
+__all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", "plot", "warm_cache", "evict",
+           "resident_fraction", "limit_l1", "limit_l2", "bare_lmdb_write", "NaiveDataset"]
+
 BATCH = 64
 SIZE = 224
-PRE_RESIZED = ("bmp-256", "lmdb-pre256")  # variants stored pre-resized (short side 256)
 WORKLOADS = {"W1": f"decode + resize to {SIZE}x{SIZE} of every sample, shuffled batches of {BATCH}",
              "W2": f"pre-resized uint8 {SIZE}x{SIZE} arrays, shuffled batches of {BATCH}, no decode"}
 
-# name → (suffix, convert kwargs)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "lmdb": (".lmdb", {}),
-    "hdf5": (".h5", {}),
-    "tar": (".wds", {}),  # the default shard count: max(8, 2 x CPUs)
-    "bmp-256": (".bmpdir", {"resize": {"short_side": 256}}),
-    "lmdb-pre256": (".lmdb", {"resize": {"short_side": 256}}),
-    "arrays-224": (".arrays", {"resize": {"size": [SIZE, SIZE]}}),
-    "hdf5-224": (".h5", {"resize": {"size": [SIZE, SIZE]}}),
-}
+QUICK_FORMATS = ("lmdb", "tar", "arrays")  # --quick: a smoke run over a couple of formats
+
+
+def variants(names: Sequence[str] | None = None) -> dict[str, tuple[str, dict[str, Any]]]:
+    """name → (format, convert kwargs), from the format registry: every format as it
+    packs by default (fixed-shape formats pre-resized to SIZE², BMP pre-resized to a
+    short side of 256, since it stores decoded pixels), plus two levers: LMDB
+    pre-resized (short side 256) and HDF5 holding pre-resized pixels."""
+    from packio.formats import formats
+
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name, spec in formats().items():
+        if names is not None and name not in names:
+            continue
+        if spec.needs_fixed_shape:
+            out[f"{name}-{SIZE}"] = (name, {"resize": {"size": [SIZE, SIZE]}})
+        elif spec.encoding is not None:  # a fixed lossless encoding: BMP files of decoded pixels
+            out[f"{name}-256"] = (name, {"resize": {"short_side": 256}})
+        else:
+            out[name] = (name, {})
+    if names is None:
+        out["lmdb-pre256"] = ("lmdb", {"resize": {"short_side": 256}})
+        out[f"hdf5-{SIZE}"] = ("hdf5", {"resize": {"size": [SIZE, SIZE]}})
+    return out
 
 
 # ---------------------------------------------------------------- page cache
@@ -90,10 +110,6 @@ def resident_fraction(root: Path) -> float:
         finally:
             os.close(fd)
     return resident / total if total else 0.0
-
-
-def du(root: Path) -> int:
-    return sum(p.stat().st_size for p in _files(root))
 
 
 # ---------------------------------------------------------------- limits
@@ -205,13 +221,6 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     root = str(Path(cfg["path"]).resolve())
-    opens = mp.get_context("fork").Value("q", 0, lock=False)
-
-    def hook(event: str, args: tuple) -> None:
-        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-            if os.fsdecode(args[0]).startswith(root):
-                opens.value += 1  # hooks survive fork: workers count into the same shared value
-
     out: dict[str, Any] = {}
     cold = bool(cfg.get("cold"))
     if cold:
@@ -219,7 +228,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         out["resident_after_evict"] = resident_fraction(Path(root))
     else:
         warm_cache(Path(root))
-    sys.addaudithook(hook)  # after warm_cache: count the loader's opens only
+    _mark_start()  # after the cache set-up: the probe counts the loader's opens only
     import cv2
 
     cv2.setNumThreads(1)
@@ -247,7 +256,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             ds[int(i)]
             lat.append(time.perf_counter() - t)
         out.update(p50_us=float(np.percentile(lat, 50) * 1e6), p99_us=float(np.percentile(lat, 99) * 1e6),
-                   opens_per_sample=opens.value / len(idx))
+                   samples_read=len(idx))
         return out
     # Warm: persistent workers, an untimed warm-up (start-up, maps, lazy opens), then one
     # timed epoch. Cold: a fresh epoch right after eviction, timed after its first batch.
@@ -296,11 +305,15 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             t_first, n_first = time.perf_counter(), n
     t_end = time.perf_counter()
     rate = (n - n_first) / (t_end - t_first) if cold else n / (t_end - t0)
-    ru_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    ru_child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    out.update(samples=n, expected=n_total, rate=rate, first_batch_s=t_first - t0,
-               opens_per_sample=opens.value / max(n + n_warm, 1), peak_rss_mb=(ru_self + ru_child) / 1024)
+    out.update(samples=n, expected=n_total, rate=rate, first_batch_s=t_first - t0, samples_read=n + n_warm)
     return out
+
+
+def _mark_start() -> None:
+    try:
+        open(MARKER, "rb").close()
+    except OSError:
+        pass  # absent by design: the attempt itself is the marker in the strace log
 
 
 def warm_cache(root: Path) -> None:
@@ -312,11 +325,27 @@ def warm_cache(root: Path) -> None:
 
 
 def run_child(cfg: dict[str, Any], timeout: int = 900) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, "-m", "packio.bench", "--child", json.dumps(cfg)], capture_output=True,
-                       text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if r.returncode != 0:
-        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """One measurement in a fresh process, probed from here: opens (strace, else /proc
+    fd sampling) and peak memory of its process tree while it runs."""
+    import tempfile
+
+    root = str(Path(cfg["path"]).resolve())
+    with tempfile.TemporaryDirectory(prefix="packio-bench-") as tmp:
+        log = Path(tmp) / "strace.log"
+        prefix = strace_prefix(log) or []
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "packio.bench", "--child", json.dumps(cfg)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        probe = Probe(proc.pid, root, sample_fds=not prefix)
+        out, err = wait_and_probe(proc, probe, timeout)
+        if proc.returncode != 0:
+            return {"error": (err.strip().splitlines() or ["?"])[-1]}
+        result = json.loads(out.strip().splitlines()[-1])
+        opens = count_opens(log, root) if prefix else probe.fds_seen
+    if "samples_read" in result:
+        result["opens_per_sample"] = opens / max(result["samples_read"], 1)
+    result.update(peak_mb=probe.peak_mb, memory_kind=probe.memory_kind, opens_method=probe.opens_method)
+    return result
 
 
 # ---------------------------------------------------------------- orchestration
@@ -324,11 +353,10 @@ def run_child(cfg: dict[str, Any], timeout: int = 900) -> dict[str, Any]:
 def _source(a: argparse.Namespace, work: Path) -> tuple[Path, Path | None, str]:
     if a.src:
         return Path(a.src), Path(a.csv) if a.csv else None, Path(a.src).name
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     root = work / f"synth-{a.count}"
     csv_path = work / f"synth-{a.count}_boxes.csv"
     if not (root / ".complete").exists():
-        from synth import make_photo_folder
+        from packio.bench.synth import make_photo_folder
 
         print(f"generating {a.count} photo-like JPEGs in {root} ...", flush=True)
         make_photo_folder(root, count=a.count)
@@ -336,13 +364,15 @@ def _source(a: argparse.Namespace, work: Path) -> tuple[Path, Path | None, str]:
     return root, csv_path, f"synthetic {a.count} JPEGs (400-600 px, q90)"
 
 
-def _pack(src: Path, csv_path: Path | None, work: Path, tag: str, names: list[str]) -> dict[str, dict[str, Any]]:
+def _pack(src: Path, csv_path: Path | None, work: Path, tag: str,
+          table: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     import packio
+    from packio.formats import get_format
 
     out = {}
-    for name in names:
-        suffix, kw = VARIANTS[name]
-        kw = dict(kw)
+    for name, (fmt, kw) in table.items():
+        suffix = get_format(fmt).suffixes[0]
+        kw = dict(kw, format=fmt)  # tar: the default shard count, max(8, 2 x CPUs)
         if "resize" in kw:
             r = kw["resize"]
             kw["resize"] = packio.ResizeSpec(size=tuple(r["size"]) if "size" in r else None,
@@ -350,9 +380,77 @@ def _pack(src: Path, csv_path: Path | None, work: Path, tag: str, names: list[st
         dst = work / f"{tag}-{name}{suffix}"
         warm_cache(src)  # every pack, and the bare write, start from the same page cache state
         s = packio.convert(src, dst, csv=csv_path, workers=0, overwrite=True, progress=False, **kw)
-        out[name] = {"path": str(dst), "pack_s": s.seconds, "bytes": du(dst), "count": s.packed}
-        print(f"packed {name:12s} {s.packed} samples, {du(dst) / 1e6:8.1f} MB, {s.seconds:6.1f} s", flush=True)
+        out[name] = {"path": str(dst), "format": fmt, "payload": get_format(fmt).payload_for(None),
+                     "fixed": "size" in table[name][1].get("resize", {}),
+                     "data": ("arrays" if "size" in table[name][1].get("resize", {}) else
+                              "pre-resized" if "short_side" in table[name][1].get("resize", {}) else "original"),
+                     "pack_s": s.seconds,
+                     "bytes": disk_bytes(dst), "count": s.packed}
+        print(f"packed {name:12s} {s.packed} samples, {out[name]['bytes'] / 1e6:8.1f} MB, {s.seconds:6.1f} s",
+              flush=True)
     return out
+
+
+ITERABLE = ("tar",)  # formats also measured through PackedIterableDataset (sequential shard reads)
+
+
+def _plan(packed: dict[str, dict[str, Any]], workers: list[int], quick: bool, cold: bool, src: Path,
+          csv_path: Path | None, ncpu: int) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
+    """The limits and the loader runs, derived from the packed variants: W1 (decode +
+    resize) for variants that store encoded images, W2 for fixed-shape pixel variants."""
+    w1 = [n for n, p in packed.items() if not p["fixed"]]
+    w2 = [n for n, p in packed.items() if p["fixed"]]
+    plain = [n for n in w1 if n == packed[n]["format"]]  # each format as packed by default
+    nan = {"kind": "none"}
+    encoded = next((n for n in plain if packed[n]["payload"] == "encoded"), None)
+    arrays = next((n for n in w2 if packed[n]["format"] == "arrays"), None)
+    # Limits run as children in every round too, so that they see the same machine
+    # as the loaders (its speed drifts by ±20% over minutes here).
+    limits = [("L1_1proc", {"kind": "L1", "procs": 1, "path": packed[encoded]["path"]}
+               if encoded and not quick else nan),
+              (f"L1_{ncpu}proc", {"kind": "L1", "procs": ncpu, "path": packed[encoded]["path"]} if encoded else nan),
+              ("L1_pre256_1proc", {"kind": "L1", "procs": 1, "path": packed["lmdb-pre256"]["path"]}
+               if "lmdb-pre256" in packed else nan),
+              ("L1_pre256", {"kind": "L1", "procs": ncpu, "path": packed["lmdb-pre256"]["path"]}
+               if "lmdb-pre256" in packed else nan),
+              ("L2", {"kind": "L2", "path": packed[arrays]["path"]} if arrays else nan)]
+    runs: list[dict[str, Any]] = []
+
+    def add(label: str, name: str, workload: str, ws: list[int], **kw: Any) -> None:
+        for w in ws:
+            runs.append({"label": label, "kind": "packio", "path": packed[name]["path"], "workload": workload,
+                         "workers": w, "cold": False, **kw})
+
+    for name in w1:
+        add(name, name, "W1", workers)
+        if packed[name]["format"] in ITERABLE and not quick:
+            add(name + " (iterable)", name, "W1", workers, kind="packio-iter")
+    for name in [] if quick else [n for n in w1 if packed[n]["payload"] == "encoded"]:
+        add(f"{name} + {ncpu} decode threads", name, "W1", [0], threads=ncpu)  # decode threads, no workers
+    for w in workers[-1:] if quick else workers:
+        runs.append({"label": "naive per-file PIL + CSV", "kind": "naive", "path": str(src),
+                     "csv": str(csv_path) if csv_path else None, "workload": "W1", "workers": w, "cold": False,
+                     "limit": 640})
+    tar = next((n for n in plain if packed[n]["format"] == "tar"), None)
+    try:
+        import webdataset  # noqa: F401  (packio[bench]: the reference loader on packio's shards)
+
+        for w in workers if tar and not quick else []:
+            runs.append({"label": "webdataset lib on packio shards", "kind": "webdataset",
+                         "path": packed[tar]["path"], "workload": "W1", "workers": w, "cold": False})
+    except ImportError:
+        pass
+    for name in w2:
+        add(name, name, "W2", workers)
+    if cold:
+        for name in plain:
+            add(name, name, "W1", [max(workers)], cold=True)
+        for name in w2[:1]:
+            add(name, name, "W2", workers, cold=True)
+    by_path = {p["path"]: p["data"] for p in packed.values()}
+    for cfg in runs:  # which limit a run is measured against: what its loader has to decode
+        cfg["data"] = by_path.get(cfg["path"], "original")
+    return limits, runs
 
 
 def bare_lmdb_write(src: Path, work: Path) -> float:
@@ -382,12 +480,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", help="image folder (default: generate --count photo-like JPEGs)")
     ap.add_argument("--csv", help="CSV of boxes for --src")
-    ap.add_argument("--count", type=int, default=5000)
+    ap.add_argument("--count", type=int, help="generated images (default 5000; 200 with --quick)")
     ap.add_argument("--work", default="bench-out", help="folder for packed data and results")
-    ap.add_argument("--workers", default="0,2", help="num_workers settings, comma-separated")
+    ap.add_argument("--workers", help="num_workers settings, comma-separated (default 0,2; 1 with --quick)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-cold", action="store_true", help="skip the cold page cache passes")
-    ap.add_argument("--quick", action="store_true", help="1 repeat, fewer variants (a smoke run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 200 images, 1 repeat, lmdb/tar/arrays, 1 worker, warm cache only")
     ap.add_argument("--tune", metavar="PATH", help="only tune DataLoader settings for a packed dataset")
     ap.add_argument("--tune-seconds", type=float, default=3.0, help="seconds per tuning trial")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -402,83 +501,48 @@ def main(argv: list[str] | None = None) -> int:
         tune(packio.open_dataset(a.tune, resize=SIZE), batch_size=BATCH, seconds=a.tune_seconds)
         return 0
 
+    if a.count is None:
+        a.count = 200 if a.quick else 5000
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     src, csv_path, label = _source(a, work)
     tag = src.name
-    workers = [int(w) for w in a.workers.split(",")]
+    workers = [int(w) for w in (a.workers or ("1" if a.quick else "0,2")).split(",")]
     repeats = 1 if a.quick else a.repeats
+    cold = not (a.no_cold or a.quick)
     print(f"== packio bench: {label}; {os.cpu_count()} CPUs; workers {workers}; {repeats} repeats", flush=True)
 
-    packed = _pack(src, csv_path, work, tag, list(VARIANTS))
-    bare = min(bare_lmdb_write(src, work) for _ in range(2))
+    table = variants(QUICK_FORMATS if a.quick else None)
+    packed = _pack(src, csv_path, work, tag, table)
+    bare = min(bare_lmdb_write(src, work) for _ in range(1 if a.quick else 2))
     ncpu = os.cpu_count() or 1
-
-    # Limits run as children in every round too, so that they see the same machine
-    # as the loaders (its speed drifts by ±20% over minutes here).
-    limits = [("L1_1proc", {"kind": "L1", "procs": 1, "path": packed["lmdb"]["path"]}),
-              (f"L1_{ncpu}proc", {"kind": "L1", "procs": ncpu, "path": packed["lmdb"]["path"]}),
-              ("L1_pre256_1proc", {"kind": "L1", "procs": 1, "path": packed["lmdb-pre256"]["path"]}),
-              ("L1_pre256", {"kind": "L1", "procs": ncpu, "path": packed["lmdb-pre256"]["path"]}),
-              ("L2", {"kind": "L2", "path": packed["arrays-224"]["path"]})]
-    runs: list[dict[str, Any]] = []
-    w1 = [("lmdb", "packio"), ("hdf5", "packio"), ("tar", "packio"), ("tar", "packio-iter"), ("bmp-256", "packio"),
-          ("lmdb-pre256", "packio")]
-    if a.quick:
-        w1 = w1[:1] + w1[-1:]
-    for name, kind in w1:
-        for w in workers:
-            runs.append({"label": name + (" (iterable)" if kind == "packio-iter" else ""), "kind": kind,
-                         "path": packed[name]["path"], "workload": "W1", "workers": w, "cold": False})
-    for name in (["lmdb"] if a.quick else ["lmdb", "hdf5", "tar", "lmdb-pre256"]):  # decode threads, no workers
-        runs.append({"label": f"{name} + {ncpu} decode threads", "kind": "packio", "path": packed[name]["path"],
-                     "workload": "W1", "workers": 0, "threads": ncpu, "cold": False})
-    for w in workers:
-        runs.append({"label": "naive per-file PIL + CSV", "kind": "naive", "path": str(src),
-                     "csv": str(csv_path) if csv_path else None, "workload": "W1", "workers": w, "cold": False,
-                     "limit": 640})
-    try:
-        import webdataset  # noqa: F401
-
-        for w in workers:
-            runs.append({"label": "webdataset lib on packio shards", "kind": "webdataset",
-                         "path": packed["tar"]["path"], "workload": "W1", "workers": w, "cold": False})
-    except ImportError:
-        pass
-    for name in ("arrays-224", "hdf5-224"):
-        for w in workers:
-            runs.append({"label": name, "kind": "packio", "path": packed[name]["path"], "workload": "W2",
-                         "workers": w, "cold": False})
-    if not a.no_cold:
-        for name, wl, ws in (("lmdb", "W1", [max(workers)]), ("tar", "W1", [max(workers)]),
-                             ("hdf5", "W1", [max(workers)]), ("arrays-224", "W2", workers)):
-            for w in ws:
-                runs.append({"label": name, "kind": "packio", "path": packed[name]["path"], "workload": wl,
-                             "workers": w, "cold": True})
-    pre = {packed[n]["path"] for n in PRE_RESIZED}
-    for cfg in runs:  # which limit a run is measured against: what its loader has to decode
-        cfg["data"] = "arrays" if cfg["workload"] == "W2" else "pre-resized" if cfg["path"] in pre else "original"
+    limits, runs = _plan(packed, workers, a.quick, cold, src, csv_path, ncpu)
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(runs))}
     limit_runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in limits}
     for rep in range(repeats):
         for name, cfg in limits:
-            limit_runs[name].append(run_child({"workload": "limit", "workers": 0, "cold": False, **cfg}))
+            if cfg["kind"] != "none":
+                limit_runs[name].append(run_child({"workload": "limit", "workers": 0, "cold": False, **cfg}))
         for i, cfg in enumerate(runs):
             results[i].append(run_child({k: v for k, v in cfg.items() if k != "label"}))
         print(f"repeat {rep + 1}/{repeats} done", flush=True)
-    lim = {name: statistics.median(r["rate"] for r in rs if "rate" in r) for name, rs in limit_runs.items()}
-    l1 = {1: lim["L1_1proc"], ncpu: lim[f"L1_{ncpu}proc"]}
-    l1_pre = lim["L1_pre256"]
-    l2 = (lim["L2"], statistics.median(r["batched"] for r in limit_runs["L2"] if "batched" in r))
-    random_runs = []
-    for name in ("lmdb", "hdf5", "tar", "bmp-256", "arrays-224"):
-        for cold in ([False] if a.no_cold else [False, True]):
-            random_runs.append((name, cold, run_child({"kind": "packio", "path": packed[name]["path"],
-                                                       "workload": "random", "workers": 0, "cold": cold})))
 
     def med(rs: list[dict[str, Any]], key: str) -> float:
         vals = [r[key] for r in rs if key in r]
         return statistics.median(vals) if vals else float("nan")
+
+    lim = {name: med(rs, "rate") for name, rs in limit_runs.items()}
+    l1 = {1: lim["L1_1proc"], ncpu: lim[f"L1_{ncpu}proc"]}
+    l1_pre = lim["L1_pre256"]
+    l2 = (lim["L2"], med(limit_runs["L2"], "batched"))
+    random_runs = []
+    per_format: dict[str, str] = {}  # each format's default variant (they come before the levers)
+    for name, facts in packed.items():
+        per_format.setdefault(facts["format"], name)
+    for name in list(per_format.values())[:1 if a.quick else None]:
+        for c in ([False, True] if cold else [False]):
+            random_runs.append((name, c, run_child({"kind": "packio", "path": packed[name]["path"],
+                                                    "workload": "random", "workers": 0, "cold": c})))
 
     summary = []
     for i, cfg in enumerate(runs):
@@ -487,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {**{k: cfg[k] for k in ("label", "workload", "workers", "cold", "data")},
                "threads": cfg.get("threads", 0), "rate": med(rs, "rate"),
                "first_batch_s": med(rs, "first_batch_s"), "opens_per_sample": med(rs, "opens_per_sample"),
-               "peak_rss_mb": med(rs, "peak_rss_mb"), "resident_after_evict": med(rs, "resident_after_evict"),
+               "peak_mb": med(rs, "peak_mb"), "resident_after_evict": med(rs, "resident_after_evict"),
                "error": errs[0] if errs else None, "runs": [r.get("rate") for r in rs],
                "samples_ok": all(r.get("samples") == r.get("expected") or r.get("expected") is None
                                  or cfg["kind"] == "naive" for r in rs)}
@@ -496,7 +560,9 @@ def main(argv: list[str] | None = None) -> int:
         row["mb_s"] = row["rate"] * per_sample_bytes / 1e6 if per_sample_bytes else float("nan")
         summary.append(row)
 
+    probed = next((r for rs in results.values() for r in rs if "opens_method" in r), {})
     report = {"source": label, "cpus": ncpu, "workers": workers, "repeats": repeats,
+              "opens_method": probed.get("opens_method"), "memory_kind": probed.get("memory_kind", "RSS"),
               "limits": {"L1_1proc": l1[1], f"L1_{ncpu}proc": l1[ncpu], "L1_pre256": l1_pre,
                          "L1_pre256_1proc": lim["L1_pre256_1proc"],
                          "L2_per_sample": l2[0], "L2_batched": l2[1]},
@@ -535,7 +601,7 @@ def render(r: dict[str, Any]) -> str:
     lines = [f"### packio bench — {r['source']}, {ncpu} CPUs, median of {r['repeats']}",
              "",
              f"- **W1**: {WORKLOADS['W1']}, from the original bytes or from bytes stored pre-resized "
-             f"(short side 256: {', '.join(PRE_RESIZED)}).",
+             f"(short side 256: {', '.join(n for n, p in r['pack'].items() if isinstance(p, dict) and p.get('data') == 'pre-resized')}).",
              f"- **W2**: {WORKLOADS['W2']}.",
              f"- Limits (this machine, same rounds): **L1** decode + resize {SIZE}² of in-memory original bytes: "
              f"{L['L1_1proc']:.0f}/s in 1 process (L1·1), {L[f'L1_{ncpu}proc']:.0f}/s in {ncpu}; "
@@ -546,7 +612,7 @@ def render(r: dict[str, Any]) -> str:
              "(workers = 0 and no decode threads: the 1-process limit).",
              "",
              "| loader | workload | data | workers | cache | samples/s | MB/s | × limit | ×naive | opens/sample "
-             "| peak RSS MB | first batch s |",
+             f"| peak MB ({r['memory_kind']}, process tree) | first batch s |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["runs"]:
         head = f"| {row['label']} | {row['workload']} | {row.get('data', '')} | {row['workers']} | "
@@ -558,7 +624,9 @@ def render(r: dict[str, Any]) -> str:
         cold = "warm" if not row["cold"] else f"cold ({row['resident_after_evict'] * 100:.0f}% resident)"
         mbs = "" if row["mb_s"] != row["mb_s"] else f"{row['mb_s']:.0f}"
         lines.append(head + f"{cold} | {row['rate']:.0f} | {mbs} | {row['rate'] / lim:.2f} ({name}) | {xn} | "
-                     f"{row['opens_per_sample']:.4f} | {row['peak_rss_mb']:.0f} | {row['first_batch_s']:.2f} |")
+                     f"{row['opens_per_sample']:.4f} | {row['peak_mb']:.0f} | {row['first_batch_s']:.2f} |")
+    lines += ["", f"Opens counted by {r['opens_method']}; memory: peak {r['memory_kind']} summed over the "
+              f"loader process and its workers, sampled while they run."]
     lines += ["", "| format | pack s | MB on disk | samples |", "|---|---:|---:|---:|"]
     for n, p in r["pack"].items():
         if isinstance(p, dict):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+__all__ = ["photo", "make_photo_folder"]
+
 
 def photo(h: int, w: int, rng: np.random.Generator) -> np.ndarray:
     """Smooth gradients, a few blobs, edges and sensor noise: compresses like a photo."""

@@ -1,0 +1,5 @@
+import sys
+
+from packio.bench.runner import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""Labels and boxes as plain columns: the one layout HDF5 and arrays share, readable
+by h5py / numpy alone, and what a whole-batch read slices without parsing records.
+
+- ``labels`` int64[N]: each sample's class index (-1: none)
+- ``boxes`` float32[M, 4]: every box, xyxy pixels of the stored image
+- ``box_labels`` int64[M]: each box's class index
+- ``box_offsets`` int64[N+1]: the boxes of sample i are rows ``box_offsets[i]:box_offsets[i+1]``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from packio.errors import FormatError
+from packio.sample import Sample
+
+__all__ = ["NAMES", "ColumnBuffer", "Columns"]
+
+NAMES = ("labels", "boxes", "box_labels", "box_offsets")
+
+
+class ColumnBuffer:
+    """Collects the columns of samples as they are written."""
+
+    def __init__(self) -> None:
+        self._labels: list[int] = []
+        self._boxes: list[np.ndarray] = []
+        self._box_labels: list[np.ndarray] = []
+        self._box_total = 0  # boxes drained so far: where the next offsets start
+
+    def add(self, sample: Sample) -> None:
+        self._labels.append(int(sample.label))
+        self._boxes.append(np.asarray(sample.boxes, np.float32).reshape(-1, 4))
+        self._box_labels.append(np.asarray(sample.box_labels, np.int64).reshape(-1))
+
+    def drain(self) -> dict[str, np.ndarray]:
+        """The rows added since the last drain. ``box_offsets`` holds their end offsets
+        only (absolute): a writer starts the column with ``[0]`` and appends these."""
+        ends = self._box_total + np.cumsum([len(b) for b in self._boxes], dtype=np.int64)
+        out = {"labels": np.asarray(self._labels, np.int64),
+               "boxes": np.concatenate(self._boxes) if self._boxes else np.zeros((0, 4), np.float32),
+               "box_labels": np.concatenate(self._box_labels) if self._box_labels else np.zeros(0, np.int64),
+               "box_offsets": ends.astype(np.int64)}
+        if len(ends):
+            self._box_total = int(ends[-1])
+        self._labels, self._boxes, self._box_labels = [], [], []
+        return out
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The four columns of a dataset of ``n`` samples, checked against each other."""
+
+    labels: np.ndarray
+    boxes: np.ndarray
+    box_labels: np.ndarray
+    box_offsets: np.ndarray
+
+    @classmethod
+    def checked(cls, arrays: dict[str, Any], n: int, where: str) -> "Columns":
+        """Validate columns read from a stranger's file: dtypes, shapes, offsets that
+        start at 0, never decrease and end at the number of boxes."""
+        try:
+            labels, boxes, box_labels, off = (np.asarray(arrays[k]) for k in NAMES)
+        except KeyError as exc:
+            raise FormatError(f"{where}: the {exc} column is missing; the dataset is damaged, re-pack it") from None
+        ok = (labels.shape == (n,) and labels.dtype == np.int64
+              and boxes.dtype == np.float32 and boxes.ndim == 2 and boxes.shape[1] == 4
+              and box_labels.shape == (len(boxes),) and box_labels.dtype == np.int64
+              and off.shape == (n + 1,) and off.dtype == np.int64
+              and off[0] == 0 and off[-1] == len(boxes) and bool(np.all(np.diff(off) >= 0)))
+        if not ok:
+            raise FormatError(f"{where}: label/box columns do not match the manifest's {n} samples; "
+                              f"the dataset is damaged, re-pack it")
+        return cls(labels, boxes, box_labels, off)
+
+    def take(self, idx: np.ndarray) -> dict[str, Any]:
+        """``label`` int64[B], ``boxes`` / ``box_labels`` lists for these sample indices."""
+        a, b = self.box_offsets[idx].tolist(), self.box_offsets[idx + 1].tolist()
+        return {"label": self.labels[idx], "boxes": [self.boxes[x:y] for x, y in zip(a, b)],
+                "box_labels": [self.box_labels[x:y] for x, y in zip(a, b)]}
