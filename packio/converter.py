@@ -100,6 +100,18 @@ class _Prep:
 Result = tuple[Sample | None, str, str]
 
 
+def _unreadable(s: Sample) -> str:
+    """Why every reader would refuse this sample's record ('' when none would): more boxes
+    than their array limit, or a record over their size limit in either codec."""
+    base = formats_base  # read at call time: one limit for writer and readers
+    if len(s.boxes) > base.MAX_BOXES:
+        return f"more than {base.MAX_BOXES} boxes in one image"
+    rec = s.record()
+    if max(len(base.pack_record(rec)), len(base.pack_record(rec, text=True))) > base.MAX_RECORD_BYTES:
+        return f"record over {base.MAX_RECORD_BYTES} bytes (too many boxes in one image)"
+    return ""
+
+
 def _target_encoding(prep: _Prep, found: str) -> str:
     """The stored encoding: the target's only one, else what was asked, else the one found
     (raw pixels into an encoded format: lossless PNG, said in the summary)."""
@@ -117,9 +129,9 @@ def _finish(prep: _Prep, s: Sample, where: str, orientation: int | None = None) 
     Stored images are always upright: an EXIF orientation is applied here to the
     pixels and the boxes together (``s.boxes`` are in the frame of ``s.payload`` as
     stored), and the image re-encoded even when it would otherwise be kept as found."""
-    limit = formats_base.MAX_BOXES  # the readers' limit: such a record could never be read back
-    if len(s.boxes) > limit:
-        return None, f"more than {limit} boxes in one image", f"{where} ({len(s.boxes)} boxes)"
+    unreadable = _unreadable(s)
+    if unreadable:
+        return None, unreadable, f"{where} ({len(s.boxes)} boxes)"
     if orientation is None:
         orientation = 1 if isinstance(s.payload, np.ndarray) else dec.exif_orientation(s.payload)
     found = s.encoding
@@ -526,20 +538,15 @@ def _check_paths(src: Path, dst: Path, csv: str | Path | None) -> None:
 
 
 def _is_dataset(path: Path) -> bool:
-    """A packio dataset: a folder whose manifest parses, or an HDF5 file with packio's manifest."""
+    """A packio dataset: a folder whose manifest parses, or a file a format claims that
+    carries packio's manifest (an HDF5 file written by packio; not foreign tar shards)."""
     try:
         if path.is_dir():
             Reader.read_manifest(path)
             return True
-        if path.is_file():
-            with open(path, "rb") as f:
-                if f.read(8) != b"\x89HDF\r\n\x1a\n":
-                    return False
-            get_format("hdf5").reader.read_manifest(path)
-            return True
+        return path.is_file() and not open_reader(path).manifest.source.get("foreign")
     except (FormatError, OSError):
-        pass
-    return False
+        return False
 
 
 def _check_output(dst: Path, overwrite: bool) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PackioError", "SourceError", "OutputExistsError", "FormatError", "CorruptSampleError"]
+__all__ = ["PackioError", "SourceError", "OutputExistsError", "OutputBusyError", "FormatError", "DatasetReplacedError",
+           "CorruptSampleError"]
 
 
 class PackioError(Exception):

@@ -10,7 +10,8 @@ from typing import Any
 
 from packio.errors import FormatError
 
-__all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "file_digest", "describe_files", "disk_bytes"]
+__all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "file_digest", "describe_files", "disk_bytes",
+           "manifest_id"]
 
 MANIFEST_NAME = "packio.json"
 DIGEST = "xxh3_128"  # file checksums; samples carry xxh3_64 (packio.sample.checksum)

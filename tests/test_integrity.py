@@ -400,6 +400,26 @@ def test_more_boxes_than_a_reader_takes_are_skipped(tmp_path, monkeypatch):
         base.unpack_record(base.pack_record(rec), "x")
 
 
+def test_records_over_the_readers_size_limit_are_skipped(tmp_path, monkeypatch):
+    from conftest import jpeg
+    from packio.formats import base
+
+    root = tmp_path / "imgs"
+    root.mkdir()
+    for name in ("few.jpg", "many.jpg"):
+        (root / name).write_bytes(jpeg(40, 40, len(name)))
+    rows = ["filename,class,xmin,ymin,xmax,ymax"]
+    rows += [f"few.jpg,c,{k}.1,1.3,{k + 5}.7,9.9" for k in range(4)]
+    rows += [f"many.jpg,c,{k % 30}.1,{k // 30}.3,{k % 30 + 5}.7,{k // 30 + 5}.9" for k in range(60)]
+    (tmp_path / "b.csv").write_text("\n".join(rows) + "\n")
+    monkeypatch.setattr(base, "MAX_RECORD_BYTES", 2048)  # 60 boxes make a record of about 4 KB in JSON
+    for out in ("o.lmdb", "o.wds"):  # msgpack records, JSON records
+        s = packio.convert(root, tmp_path / out, csv=tmp_path / "b.csv", progress=False)
+        assert s.packed == 1 and dict(s.skipped) == {"record over 2048 bytes (too many boxes in one image)": 1}
+        few = packio.open_dataset(tmp_path / out)[0]
+        assert few["key"] == "few.jpg" and len(few["boxes"]) == 4
+
+
 def test_real_box_limit_round_trips_at_the_limit():
     from packio.formats.base import MAX_BOXES, pack_record, unpack_record
 
