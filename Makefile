@@ -26,7 +26,12 @@ bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m packio.bench
 
+# For GPU machines: the GPU decode extras, torch held at its installed version (so pip picks the
+# torchvision built for it) and nvImageCodec for its CUDA major; then every GPU figure.
+TORCH_NOW = $(PY) -c 'import torch; print(torch.__version__.split("+")[0])'
+NVIMG_EXTRA = $(PY) -c 'import torch; print("nvimgcodec-cu13" if (torch.version.cuda or "").startswith("13") else "nvimgcodec")'
 gpu-check: install
+	$(PY) -m pip install -q -e ".[gpu,$$($(NVIMG_EXTRA))]" "torch==$$($(TORCH_NOW))"
 	$(PY) tools/gpu_check.py
 
 clean:

@@ -2,7 +2,7 @@
 prefetcher → GPU transforms → AMP training step.
 
     python examples/train_classifier.py data.lmdb --steps 100
-    python examples/train_classifier.py data.lmdb --gpu-decode   # nvjpeg on the GPU
+    python examples/train_classifier.py data.lmdb --gpu-decode   # batched GPU JPEG decode
 
 Uses ResNet-18 when torchvision is installed (and --model resnet18), else a small CNN.
 Needs image labels (class sub-folders, or a CSV ``label`` column): it refuses a
@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 import packio
-from packio.cuda import GPUTransform, Prefetcher, decode_batch
+from packio.cuda import GPUTransform, Prefetcher
+from packio.cuda.device import resolve
 
 
 def small_cnn(classes: int) -> nn.Module:
@@ -63,13 +64,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    ap.add_argument("--device", default=None, help="cuda / cpu (default: this rank's GPU when present)")
     ap.add_argument("--model", default="cnn", choices=["cnn", "resnet18"])
-    ap.add_argument("--gpu-decode", action="store_true", help="hand JPEG bytes to nvjpeg instead of decoding on CPU")
+    ap.add_argument("--gpu-decode", action="store_true",
+                    help="hand JPEG bytes to the GPU decoder (nvImageCodec or torchvision) instead of decoding on CPU")
     ap.add_argument("--channels-last", action="store_true")
     a = ap.parse_args()
 
-    device = torch.device(a.device) if a.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve(a.device)  # None: LOCAL_RANK's GPU under torchrun, else the current one, else the CPU
     # CPU decode: workers decode + resize a bit larger than the crop; GPU decode: workers only read bytes.
     ds = packio.open_dataset(a.data, decode=not a.gpu_decode, resize=None if a.gpu_decode else int(a.size * 1.15))
     check_labels(ds)
@@ -77,12 +79,10 @@ def main() -> None:
     loader = packio.DataLoader(ds, batch_size=a.batch_size, shuffle=True, num_workers=a.workers, drop_last=True,
                                pin_memory=device.type == "cuda", persistent_workers=a.workers > 0)
     amp_dtype = torch.bfloat16
-    transform = GPUTransform(size=(a.size, a.size), train=True, channels_last=a.channels_last)
-
-    def gpu_side(batch: dict) -> dict:
-        if a.gpu_decode:
-            batch = {**batch, "image": decode_batch(batch["image"], device=device)}
-        return transform(batch)
+    # Given encoded bytes (--gpu-decode), the transform decodes them first: one batched GPU decode (CPU
+    # only for the images the GPU decoder rejects), then crop/flip/resize/normalise as a few batched
+    # kernels; the Prefetcher runs it on its side stream, batches ahead of the training step.
+    transform = GPUTransform(size=(a.size, a.size), train=True, channels_last=a.channels_last, device=device)
 
     model = build_model(a.model, classes).to(device)
     if a.channels_last:
@@ -91,11 +91,9 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
     step, used, unlabeled, t0 = 0, 0, 0, time.perf_counter()
     while step < a.steps:
-        feed = Prefetcher(loader, device=device, transform=None if a.gpu_decode else transform)
+        feed = Prefetcher(loader, device=device, transform=transform)
         steps_before = step
         for batch in feed:
-            if a.gpu_decode:
-                batch = gpu_side(batch)
             labels = batch["label"]
             keep = labels >= 0  # -1: no label; train only on the labeled samples
             unlabeled += int((~keep).sum())

@@ -132,6 +132,46 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_doctor(a: argparse.Namespace) -> int:
+    import packio.doctor.report as doctor_report
+    from packio.doctor.offline import diagnose
+
+    d = diagnose(a.path, size=a.size, batch_size=a.batch_size, seconds=a.seconds, fraction=a.sample,
+                 min_samples=a.min_samples, max_samples=a.max_samples, step_ms=a.step_ms,
+                 gpu_decode_ms=a.gpu_decode_ms, csv=a.csv, work=a.work, keep=a.keep, cgroup_root=a.cgroup_root,
+                 cpus=a.cpus, log=None if a.quiet else lambda m: print(m, file=sys.stderr, flush=True))
+    print(doctor_report.text(d))
+    if a.report:
+        md, png = doctor_report.write(d, a.report)
+        print(f"report: {md}" + (f", {png}" if png else " (no PNG: pip install 'packio[bench]' for matplotlib)"))
+    return 0
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("doctor", help="does training wait on data? measure a dataset, rank storage layouts",
+                       description="Measure per-stage costs of PATH (image folder or packed dataset), pack a sample "
+                                   "into candidate layouts, time each with packio.tune's settings, and print a ranked "
+                                   "recommendation with the packio convert and reader lines.")
+    d.add_argument("path", help="image folder (class sub-folders or flat), or a packed dataset")
+    d.add_argument("--size", type=int, default=224, help="training image size (default 224)")
+    d.add_argument("--batch-size", type=int, default=64, help="training batch size (default 64)")
+    d.add_argument("--seconds", type=float, default=60.0, help="time budget for the whole run (default 60)")
+    d.add_argument("--sample", type=float, default=0.02, help="fraction of the dataset to pack (default 0.02)")
+    d.add_argument("--min-samples", type=int, default=256, help="sample at least this many (default 256)")
+    d.add_argument("--max-samples", type=int, default=1000, help="sample at most this many (default 1000)")
+    d.add_argument("--step-ms", type=float, help="your training step time per batch, to say which layouts keep up")
+    d.add_argument("--gpu-decode-ms", type=float,
+                   help="without CUDA: a GPU decode time per batch you declare (labelled as declared)")
+    d.add_argument("--csv", help="CSV of annotations, passed on to the packio convert line")
+    d.add_argument("--report", metavar="DIR", help="write DIR/doctor.md and DIR/doctor.png")
+    d.add_argument("--work", metavar="DIR", help="where to pack the samples (default: the system temp folder)")
+    d.add_argument("--keep", action="store_true", help="keep the packed samples")
+    d.add_argument("--cpus", type=int, help="CPUs to use (default: what affinity and the cgroup quota allow)")
+    d.add_argument("--cgroup-root", default="/sys/fs/cgroup", help=argparse.SUPPRESS)
+    d.add_argument("--quiet", action="store_true", help="no progress lines")
+    d.set_defaults(fn=_cmd_doctor)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from packio.formats import formats
 
@@ -191,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path")
     v.set_defaults(fn=_cmd_verify)
 
+    _add_doctor(sub)
     sub.add_parser("bench", help="compare formats on one dataset; 'packio bench --help' for its options")
     return p
 

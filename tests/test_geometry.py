@@ -405,30 +405,34 @@ def test_foreign_webdataset_boxes_scale_with_resize(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # GPU transforms (packio.cuda, owned by issue 17) on CPU tensors, against the same ground truth.
-# LEAD: when the torch twin lands, route box_labels through it in _gpu_apply (it passes them
-# through unchanged today, which is the bug) and drop the xfail marks; add its new ops here.
+# Boxes go through the torch twin of packio.geometry (PackedBoxes), box_labels with them.
 # --------------------------------------------------------------------------------------------
 
 def _gpu_apply(op: str, images: torch.Tensor, boxes: list, labels: list) -> tuple[torch.Tensor, list, list]:
+    from packio.cuda import boxes as bx
     from packio.cuda import transforms as T
 
     g = torch.Generator().manual_seed(3)
-    if op == "resize":
-        x, b = T.resize(images, (40, 60), boxes)
-    elif op == "hflip":
-        x, b, _ = T.hflip(images, boxes, p=1.0, generator=g)
+    if op == "gpu_transform":  # the whole training pipeline: random crop + flip + resize (+ identity normalise)
+        out = T.GPUTransform(size=(48, 48), crop_scale=(0.1, 0.6), mean=(0, 0, 0), std=(1 / 255,) * 3,
+                             generator=g)({"image": images, "boxes": boxes, "box_labels": labels})
+        return (out["image"], *out["boxes"].per_image())
+    hw, full = T.image_sizes(images), tuple(images.shape[-2:])
+    flip = torch.ones(len(images), dtype=torch.bool) if op == "hflip" else None
+    if op == "random_resized_crop":
+        size, window = (48, 48), T.sample_crops(hw, scale=(0.1, 0.4), generator=g)
     elif op == "center_crop":
-        x, b = T.center_crop(images, (40, 40), boxes)
+        size, window = (40, 40), T.center_window(hw, (40, 40))
     else:
-        x, b = T.random_resized_crop(images, (48, 48), boxes, scale=(0.1, 0.4), generator=g)
-    return x, b, labels
+        size, window = ((40, 60) if op == "resize" else full), T.center_crops(hw, full)
+    x = T.resized_crop(images, window, size, flip)
+    p = bx.resize(bx.crop(bx.PackedBoxes.from_lists(boxes, labels), window), window[:, 2:], size)
+    if flip is not None:
+        p = bx.hflip(p, size[1], flip)
+    return (x, *p.per_image())
 
 
-GPU_OPS = ["resize", "hflip",
-           pytest.param("center_crop", marks=pytest.mark.xfail(strict=True, reason="issue 17: GPU crops keep "
-                        "boxes cropped away (zero area) and leave box_labels unchanged")),
-           pytest.param("random_resized_crop", marks=pytest.mark.xfail(strict=True, reason="issue 17: as "
-                        "center_crop"))]
+GPU_OPS = ["resize", "hflip", "center_crop", "random_resized_crop", "gpu_transform"]
 
 
 @pytest.mark.parametrize("op", GPU_OPS)

@@ -1,64 +1,153 @@
-"""Batched JPEG decode on the GPU (nvjpeg through torchvision), with a per-image
-CPU fallback so that one odd image never fails a batch."""
+"""Batched image decode onto the GPU, with a CPU fallback per image.
+
+All JPEGs a GPU backend can take go to it in **one** batched call (one call per
+image is slower than the CPU); only the images it cannot take are decoded by
+packio's CPU decoder and copied over: CMYK/YCCK, 12-bit, lossless or arithmetic
+JPEGs (screened from the header, never sent), PNG and other formats, and any
+image the backend rejects. One odd image never sends the whole batch to the CPU.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from packio import decode as cpu
-from packio.cuda.device import resolve
+from packio.cuda.backends import Blob, DecodeBackend, get_backend
+from packio.cuda.device import h2d, resolve, warn_once
 from packio.errors import PackioError
 
-__all__ = ["decode_batch"]
+__all__ = ["BatchDecoder", "JpegHeader", "cpu_decode", "decode_batch", "gpu_decodable", "jpeg_header"]
+
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_GPU_SOF = {0xC0, 0xC1, 0xC2}  # baseline, extended sequential, progressive (Huffman)
 
 
-def _torchvision_io():
-    try:
-        from torchvision import io as tvio
-    except ImportError as exc:
-        raise PackioError("GPU JPEG decode needs torchvision: pip install 'packio[gpu]' "
-                          f"(a torchvision matching your torch; import failed: {exc})") from None
-    return tvio
+class JpegHeader(NamedTuple):
+    sof: int  # the frame marker: 0xC0 baseline, 0xC2 progressive, ...
+    precision: int
+    height: int
+    width: int
+    components: int
 
 
-def _cpu_decode(blob: bytes | memoryview | torch.Tensor) -> torch.Tensor:
-    data = blob.numpy().tobytes() if isinstance(blob, torch.Tensor) else blob
-    return torch.from_numpy(np.ascontiguousarray(cpu.decode(data))).permute(2, 0, 1)
+def jpeg_header(data: Blob) -> JpegHeader | None:
+    """The frame header of a JPEG, or ``None`` when ``data`` is not a readable JPEG.
+    Walks the marker segments up to the first SOF; bounded by ``len(data)``."""
+    b = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    n = len(b)
+    if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
+        return None
+    i = 2
+    while i + 4 <= n:
+        if b[i] != 0xFF:
+            return None
+        m = b[i + 1]
+        if m == 0xFF:  # fill byte
+            i += 1
+            continue
+        if m == 0x01 or 0xD0 <= m <= 0xD7:  # markers without a length
+            i += 2
+            continue
+        if m in (0xD9, 0xDA):  # end of image / start of scan before any frame header
+            return None
+        length = (b[i + 2] << 8) | b[i + 3]
+        if length < 2:
+            return None
+        if m in _SOF:
+            if i + 10 > n or length < 8:
+                return None
+            return JpegHeader(m, b[i + 4], (b[i + 5] << 8) | b[i + 6], (b[i + 7] << 8) | b[i + 8], b[i + 9])
+        i += 2 + length
+    return None
 
 
-def decode_batch(blobs: Sequence[bytes | memoryview | torch.Tensor], device: str | torch.device | None = None,
-                 ) -> list[torch.Tensor]:
-    """Decode encoded images to ``uint8[3, H, W]`` tensors on ``device``.
+def gpu_decodable(data: Blob) -> bool:
+    """JPEGs the GPU backends take: 8-bit Huffman baseline/progressive, gray or 3-component."""
+    h = jpeg_header(data)
+    return (h is not None and h.sof in _GPU_SOF and h.precision == 8 and h.components in (1, 3)
+            and h.height > 0 and h.width > 0)
 
-    On CUDA, all JPEGs go to nvjpeg in **one** batched call (one call per image is
-    slower than the CPU); a batch nvjpeg rejects is retried image by image, and an
-    image it still rejects (CMYK, odd progressive files, PNG, ...) is decoded on
-    the CPU and copied over. On the CPU, packio's CPU decoder is used.
+
+def _as_blob(x: Blob | torch.Tensor) -> Blob:
+    return x.numpy().data if isinstance(x, torch.Tensor) else x
+
+
+def cpu_decode(blob: Blob) -> torch.Tensor:
+    """packio's CPU decoder → contiguous ``uint8[3, H, W]``."""
+    return torch.from_numpy(np.ascontiguousarray(cpu.decode(blob).transpose(2, 0, 1)))
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    # simplejpeg and OpenCV release the GIL: CPU fallbacks decode in parallel.
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="packio-decode")
+
+
+@dataclass
+class BatchDecoder:
+    """Decode batches of encoded images to ``uint8[3, H, W]`` tensors on ``device``.
+
+    ``backend``: ``"auto"`` (nvImageCodec, else torchvision, else CPU), ``"cpu"``, a
+    backend name, or any object with the :class:`DecodeBackend` interface. Counts
+    what went where in ``gpu_decoded`` / ``cpu_decoded``.
     """
-    dev = resolve(device)
-    if dev.type != "cuda":
-        return [_cpu_decode(b).to(dev) for b in blobs]
-    tvio = _torchvision_io()
-    tensors = [b if isinstance(b, torch.Tensor) else torch.frombuffer(bytearray(b), dtype=torch.uint8)
-               for b in blobs]
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    jpeg_idx = [i for i, t in enumerate(tensors) if cpu.sniff(t[:12].numpy().tobytes()) == "jpeg"]
-    mode = tvio.ImageReadMode.RGB
-    if jpeg_idx:
+
+    device: str | torch.device | None = None
+    backend: str | DecodeBackend = "auto"
+    gpu_decoded: int = field(default=0, init=False)
+    cpu_decoded: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.dev = resolve(self.device)
+        if isinstance(self.backend, str):
+            self.impl = None if self.dev.type != "cuda" else get_backend(self.backend)
+            if self.impl is None and self.dev.type == "cuda" and self.backend == "auto":
+                warn_once("no-gpu-decoder", "packio.cuda: no GPU JPEG decoder installed, decoding on the CPU; "
+                          "pip install 'packio[nvimgcodec]' (or [nvimgcodec-cu13]) or 'packio[gpu]'")
+        else:
+            self.impl = self.backend
+
+    def __call__(self, blobs: Sequence[Blob | torch.Tensor], keys: Sequence[str] | None = None,
+                 ) -> list[torch.Tensor]:
+        data = [_as_blob(b) for b in blobs]
+        out: list[torch.Tensor | None] = [None] * len(data)
+        if self.impl is not None:
+            idx = [i for i, b in enumerate(data) if gpu_decodable(b)]
+            if idx:
+                for i, img in zip(idx, self.impl.decode([data[i] for i in idx], self.dev)):
+                    out[i] = img
+        rest = [i for i, img in enumerate(out) if img is None]
+        self.gpu_decoded += len(data) - len(rest)
+        self.cpu_decoded += len(rest)
+        args = (rest, [data[i] for i in rest], [keys[i] if keys else None for i in rest])
+        decoded = _pool().map(self._cpu_one, *args) if len(rest) > 1 else map(self._cpu_one, *args)
+        for i, img in zip(rest, decoded):
+            out[i] = h2d(img, self.dev)
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _cpu_one(i: int, blob: Blob, key: str | None) -> torch.Tensor:
         try:
-            decoded = tvio.decode_jpeg([tensors[i] for i in jpeg_idx], mode=mode, device=dev)
-            for i, img in zip(jpeg_idx, decoded):
-                out[i] = img
-        except RuntimeError:
-            for i in jpeg_idx:
-                try:
-                    out[i] = tvio.decode_jpeg(tensors[i], mode=mode, device=dev)
-                except RuntimeError:
-                    pass
-    for i, img in enumerate(out):
-        if img is None:
-            out[i] = _cpu_decode(tensors[i]).pin_memory().to(dev, non_blocking=True)
-    return out  # type: ignore[return-value]
+            return cpu_decode(blob)
+        except ValueError as exc:
+            where = f"sample {key!r}" if key is not None else f"image {i} of the batch"
+            raise PackioError(f"{where} cannot be decoded ({exc}); re-pack it, or read with on_error='skip'") \
+                from None
+
+
+@functools.lru_cache(maxsize=8)
+def _decoder(device: torch.device, backend: str) -> BatchDecoder:
+    return BatchDecoder(device, backend)
+
+
+def decode_batch(blobs: Sequence[Blob | torch.Tensor], device: str | torch.device | None = None,
+                 backend: str = "auto") -> list[torch.Tensor]:
+    """Decode encoded images to ``uint8[3, H, W]`` tensors on ``device`` (see :class:`BatchDecoder`)."""
+    return _decoder(resolve(device), backend)(blobs)

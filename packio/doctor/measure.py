@@ -1,0 +1,97 @@
+"""Small timing helpers shared by the in-loop watch and the offline diagnosis."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = ["batch_len", "cpu_seconds", "Rate", "throughput", "percentile_ms"]
+
+
+def batch_len(batch: Any) -> int | None:
+    """Samples in a batch: packio's ``label``, else the first tensor/array/list's
+    length; None when it cannot tell."""
+    if isinstance(batch, dict):
+        for key in ("label", "image"):
+            if key in batch:
+                return batch_len(batch[key])
+        batch = next(iter(batch.values()), None)
+    if isinstance(batch, (tuple, list)) and batch and not isinstance(batch[0], (int, float, bytes, str)):
+        return batch_len(batch[0])
+    shape = getattr(batch, "shape", None)
+    if shape is not None and len(shape):
+        return int(shape[0])
+    if isinstance(batch, (list, tuple)):
+        return len(batch)
+    return None
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process (all threads) and its live child processes (DataLoader
+    workers), from /proc; this process alone where /proc is absent."""
+    import os
+
+    total = time.process_time()
+    me = str(os.getpid())
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return total
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if len(fields) > 12 and fields[1] == me.encode():  # ppid; utime, stime in clock ticks
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+@dataclass
+class Rate:
+    """What iterating a loader alone gave, timed after its first batch."""
+
+    batches_per_s: float = 0.0
+    samples_per_s: float = 0.0
+    cpu_per_sample: float = 0.0  # CPU seconds per sample, this process + its workers
+
+
+def throughput(loader: Iterable[Any], seconds: float, max_batches: int | None = None) -> Rate:
+    """Iterate ``loader`` alone, timed after its first batch (start-up is not steady
+    state), re-iterating it until ``seconds`` pass."""
+    n_batches = n_samples = 0
+    t_first: float | None = None
+    cpu_first = 0.0
+    deadline = 0.0
+    while True:
+        got_any = False
+        for batch in loader:
+            got_any = True
+            now = time.perf_counter()
+            if t_first is None:
+                t_first, deadline, cpu_first = now, now + seconds, cpu_seconds()
+                continue
+            n_batches += 1
+            n_samples += batch_len(batch) or 0
+            if now >= deadline or (max_batches is not None and n_batches >= max_batches):
+                return _rate(n_batches, n_samples, now - t_first, cpu_seconds() - cpu_first)
+        if not got_any or iter(loader) is loader:  # empty, or a one-shot iterator: that was all
+            break
+    if t_first is None:
+        return Rate()
+    return _rate(n_batches, n_samples, time.perf_counter() - t_first, cpu_seconds() - cpu_first)
+
+
+def _rate(batches: int, samples: int, dt: float, cpu: float) -> Rate:
+    if dt <= 0 or not batches:
+        return Rate()
+    return Rate(batches / dt, samples / dt, cpu / samples if samples else 0.0)
+
+
+def percentile_ms(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q) * 1e3) if values else float("nan")

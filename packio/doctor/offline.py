@@ -1,0 +1,340 @@
+"""Offline diagnosis of a dataset: stage costs, candidate layouts timed on a sample,
+a ranked recommendation. Bounded by ``seconds``; sized to the CPU/memory budget."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from packio.doctor import candidates as cand
+from packio.doctor.limits import CGROUP_ROOT, Budget, budget
+from packio.doctor.measure import Rate
+from packio.doctor.candidates import Candidate
+from packio.doctor.gpu import GpuVerdict, measure_gpu_decode, verdict
+from packio.doctor.source import Source, disk_bytes, open_source
+from packio.doctor.stages import StageCosts, measure_stages, transfer_cost
+from packio.errors import PackioError
+
+__all__ = ["Diagnosis", "diagnose"]
+
+
+@dataclass
+class Diagnosis:
+    source: str
+    count: int
+    sample: int
+    size: int
+    batch_size: int
+    step_ms: float | None
+    budget: Budget
+    cpus: int
+    workers_tried: list[int]
+    stages: StageCosts  # of the data as it is
+    candidates: list[Candidate]  # ranked, fastest first (errors last)
+    gpu: GpuVerdict
+    seconds: float  # the budget asked for
+    elapsed: float  # what it took
+    busy: str = ""  # why the ranking uses CPU time (other load on the machine), or ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        return next((c for c in self.candidates if not c.now and not c.error), None)
+
+    @property
+    def best_with_crops(self) -> Candidate | None:
+        return next((c for c in self.candidates if not c.now and not c.error and c.keeps_crops), None)
+
+    @property
+    def now(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.now), None)
+
+    def expected(self, c: Candidate) -> float:
+        """The samples/s the ranking uses: as measured, or from CPU time on a busy machine."""
+        return c.ceiling(self.cpus) if self.busy else c.samples_per_s
+
+    @property
+    def needed(self) -> float | None:
+        """Samples/s the training step takes (from --step-ms)."""
+        return self.batch_size / (self.step_ms / 1e3) if self.step_ms else None
+
+
+def _sample_size(count: int, fraction: float, lo: int, hi: int) -> int:
+    return int(min(count, max(lo, min(hi, round(count * fraction)))))
+
+
+@dataclass
+class _Run:
+    """What the measurements of one diagnosis share."""
+
+    src: Source
+    idx: list[int]  # the sample, as source indices
+    size: int
+    batch_size: int
+    root: Path  # temporary folder
+    sample_dir: Path  # the sample exported as an image folder
+    pack_workers: int
+    workers: list[int]  # num_workers settings packio.tune tries
+    threads: tuple[int, ...]  # decode threads settings packio.tune tries
+    quick: bool  # too little time for packio.tune: one setting per layout
+    xfer: float  # per-sample worker → main hand-over cost
+    say: Callable[[str], None]
+    jpegs: list[bytes] = field(default_factory=list)  # a batch of original JPEG bytes (GPU decode check)
+    packed: dict[str, Path] = field(default_factory=dict)  # layout tag → its pack of the sample
+
+    @property
+    def trials(self) -> int:
+        """Timed runs per layout: packio.tune's grid + a re-measure of its pick, or one."""
+        return 1 if self.quick else len(self.workers) * len(self.threads) + 1
+
+    def rate(self, ds: Any, trial_s: float) -> tuple[Rate, dict[str, Any]]:
+        if self.quick:  # decode threads in this process: no worker start-up to pay for
+            settings: dict[str, Any] = {"num_workers": 0, "threads": max(self.threads)}
+            return cand.measure_packed(ds, self.batch_size, trial_s, settings), settings
+        return cand.tune_and_measure(ds, self.batch_size, trial_s, self.workers, self.threads)
+
+
+def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds: float = 60.0,
+             fraction: float = 0.02, min_samples: int = 256, max_samples: int = 1000,
+             step_ms: float | None = None, gpu_decode_ms: float | None = None, csv: str | Path | None = None,
+             work: str | Path | None = None, keep: bool = False, cgroup_root: str | Path = CGROUP_ROOT,
+             cpus: int | None = None, seed: int = 0, log: Callable[[str], None] | None = None) -> Diagnosis:
+    """Measure the dataset at ``path`` (image folder or packed) and rank layouts.
+
+    A sample of ``fraction`` of the samples (at least ``min_samples``, at most
+    ``max_samples``, fewer when packing would not fit the time) is packed into each
+    layout of :func:`packio.doctor.candidates.layouts` in a temporary folder (under
+    ``work``; removed unless ``keep``), and each is timed with the settings
+    ``packio.tune`` finds within the CPU budget, on a warm page cache.
+
+    ``seconds`` bounds the run: the sample shrinks (to 2 batches at least) so that
+    packing fits ~30 % of it; tuning trials share what is left; when even the
+    shortest trials would not fit, tuning is skipped (one setting per layout, said
+    in the notes). Every layout is measured; the report says how long it took.
+    ``gpu_decode_ms``: a declared nvjpeg time per batch, used only without CUDA.
+    """
+    if size <= 0 or batch_size <= 0 or seconds <= 0:
+        raise PackioError("size, batch size and seconds must be positive")
+    say = log or (lambda _msg: None)
+    t0 = time.perf_counter()
+    b = budget(cgroup_root)
+    ncpu = max(1, cpus or b.cpus)
+    load_before = _load()
+    src = open_source(path, csv)
+    if not src.count:
+        raise PackioError(f"{path}: holds no samples; nothing to measure")
+    n = _sample_size(src.count, fraction, min_samples, max_samples)
+    order = [int(i) for i in np.random.default_rng(seed).permutation(src.count)]  # any prefix: a fair sample
+    say(f"budget: {b.text()}" + (f"; using {ncpu} CPUs as asked" if cpus else ""))
+
+    say("measuring per-stage costs ...")
+    xfer = transfer_cost(batch_size, size, seconds=min(1.0, 0.02 * seconds))
+    t_stages = time.perf_counter()
+    stages = measure_stages("as stored", src.payload, order[:min(n, 64)], size, batch_size, xfer,
+                            deadline=t0 + 0.12 * seconds)
+    # wall time per sample pass, preemption by other processes included: what packing will see
+    stage_wall = (time.perf_counter() - t_stages) / (2 * max(stages.n, 1) + 1)
+    notes: list[str] = []
+    if csv:
+        notes.append("the CSV's boxes are not packed into the sample: they change little of a sample's cost")
+    if stages.skipped:
+        notes.append(f"{stages.skipped} of the sampled files did not decode (skipped; packio convert counts them)")
+    # Pre-resizing the originals costs a full decode + area resize + encode per sample
+    # (~2.5 x a read-time pass); layouts packed from that pack cost little. Packing gets
+    # ~30 % of the budget, but the sample keeps 2 batches at least.
+    lays = cand.layouts(size)
+    heavy = sum(1 for lay in lays if lay.resize and not lay.pack_from)
+    pack_cost = 2.5 * stage_wall + 1e-3
+    n = max(min(n, 2 * batch_size), min(n, int(0.3 * seconds * ncpu / (heavy * pack_cost))))
+    idx = sorted(order[:n])
+    # A process pool pays off only for long packs: its forkserver imports this program
+    # (torch included) before the first worker starts: seconds on a busy machine.
+    pack_workers = ncpu if ncpu > 1 and heavy * n * pack_cost > 15.0 else 0
+
+    max_w = b.max_workers(batch_size * size * size * 3)
+    # one CPU: a worker process only adds hand-over costs to the loader alone
+    workers = sorted({0, min(ncpu, max_w) if ncpu > 1 else 0} | ({min(ncpu // 2, max_w)} if ncpu >= 4 else set()))
+    threads = (0, ncpu) if ncpu > 1 else (0,)
+    if max_w < ncpu:
+        notes.append(f"memory allows {max_w} workers (of {ncpu} CPUs) at batch {batch_size}")
+    pack_est = {lay.tag: n * (pack_cost / max(1, pack_workers) if lay.resize and not lay.pack_from else 2e-3)
+                for lay in lays}
+    first_batch = batch_size * stages.total  # each trial waits for a first batch before it times anything
+    jobs = len(lays) + 1  # + the data as stored now
+    full = jobs * (len(workers) * len(threads) + 1) * (0.2 + 0.3 + first_batch)
+    quick = time.perf_counter() - t0 + sum(pack_est.values()) + full > 0.9 * seconds
+    if quick:
+        notes.append(f"--seconds {seconds:g} leaves no time to tune: every layout was timed with num_workers=0, "
+                     f"threads={max(threads)} (raise --seconds for packio.tune's pick)")
+
+    root = Path(tempfile.mkdtemp(prefix="packio-doctor-", dir=str(work) if work else None))
+    try:
+        run = _Run(src, idx, size, batch_size, root, src.export(idx, root / "sample"), pack_workers, workers,
+                   threads, quick, xfer, say)
+        out = _measure_all(run, lays, t0 + seconds, pack_est, first_batch, stages, notes)
+    finally:
+        if keep:
+            say(f"kept the packed samples in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+    ranked, busy = _rank(out, src.count, b, ncpu, load_before, notes)
+    return Diagnosis(source=src.describe(), count=src.count, sample=len(idx), size=size, batch_size=batch_size,
+                     step_ms=step_ms, budget=b, cpus=ncpu, workers_tried=[0] if quick else workers, stages=stages,
+                     candidates=ranked, gpu=_gpu(run, ranked, stages, ncpu, step_ms, gpu_decode_ms),
+                     seconds=seconds, elapsed=time.perf_counter() - t0, busy=busy, notes=notes)
+
+
+def _load() -> float:
+    """The machine's 1-minute load average (0 where the platform has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def _rank(out: list[Candidate], count: int, b: Budget, ncpu: int, load_before: float,
+          notes: list[str]) -> tuple[list[Candidate], str]:
+    """Full-size disk figures, then the ranking: by measured samples/s, or by CPU time
+    per sample when other processes kept the machine busy (wall-clock rates are a
+    lottery then; CPU time per sample is disturbed far less)."""
+    for c in out:
+        c.full_bytes = c.bytes_per_sample * count
+        if c.full_bytes > b.memory_free and not c.error:
+            c.note = (c.note + "; " if c.note else "") + (
+                f"{c.full_bytes / 2**30:.1f} GiB > {b.memory_free / 2**30:.1f} GiB of memory: will not stay in the "
+                f"page cache; needs {c.samples_per_s * c.bytes_per_sample / 1e6:.0f} MB/s from disk")
+    machine = os.cpu_count() or 1
+    others = max(load_before, _load() - ncpu)
+    busy = f"load {others:.1f} from other processes on {machine} CPUs" if others > machine else ""
+    if busy:
+        notes.append(f"the machine was busy ({busy}): ranked by CPU time per sample (≤ samples/s on {ncpu} CPUs "
+                     "of its own); the measured samples/s are shown as measured")
+    notes.append("rates: warm page cache, the sample repeated so that every timed epoch holds ≥ 32 batches; "
+                 "the machine's other load counts (a shared machine gives noisy figures)")
+    ranked = sorted(out, key=lambda c: (bool(c.error), -(c.ceiling(ncpu) if busy else c.samples_per_s)))
+    return ranked, busy
+
+
+def _measure_all(run: _Run, lays: list[cand.Layout], deadline: float, pack_est: dict[str, float],
+                 first_batch: float, stages: StageCosts, notes: list[str]) -> list[Candidate]:
+    """The data as stored, then each layout; trial lengths share the time left."""
+    folder = run.src.kind == "folder"
+    now = Candidate(title="files (one open per sample)" if folder else f"as stored ({run.src.format})", tag="now",
+                    now=True, bytes_per_sample=run.src.stored_bytes(run.idx), stages=stages)
+    # a folder's baseline is timed right after the original-bytes layout, with its settings
+    trials = {lay.tag: run.trials + (folder and lay.tag == "orig") for lay in lays}
+    trials["now"] = 0 if folder else run.trials
+    jobs: list[tuple[str, cand.Layout | None]] = [("now", None), *[(lay.tag, lay) for lay in lays]]
+    overhead = (0.02 if run.quick else 0.3) + first_batch  # per trial, beyond its timed seconds; learned below
+    out: list[Candidate] = []
+    for k, (tag, lay) in enumerate(jobs):
+        rest = [t for t, _ in jobs[k:]]
+        left = deadline - time.perf_counter() - 0.3  # a moment for the report
+        pack_left = sum(pack_est.get(t, 0.0) for t in rest)
+        trial_s = max(0.2, (left - pack_left) / max(1, sum(trials[t] for t in rest)) - overhead)
+        t_job = time.perf_counter()
+        if lay is None:
+            c = now
+            if not folder:
+                _measure_stored(run, c, trial_s)
+        else:
+            c = _measure_layout(run, lay, trial_s, now)
+        out.append(c)
+        if lay is not None and c.pack_s_per_sample:
+            for t, j in jobs[k + 1:]:  # what packing really costs here, for the layouts still to come
+                if j is not None and (j.pack_from, bool(j.resize)) == (lay.pack_from, bool(lay.resize)):
+                    pack_est[t] = c.pack_s_per_sample * len(run.idx)
+        if trials[tag]:
+            spent = time.perf_counter() - t_job - c.pack_s_per_sample * len(run.idx)
+            overhead = min(5.0, max(0.02, (spent - trials[tag] * trial_s) / trials[tag]))
+    over = time.perf_counter() - deadline
+    if over > 0:
+        notes.append(f"took {over:.0f} s more than --seconds: every layout still got its shortest trials")
+    return out
+
+
+def _measure_stored(run: _Run, c: Candidate, trial_s: float) -> None:
+    """A packed source as it is: its own sampled indices, its own format."""
+    run.say(f"timing {c.title} ...")
+    try:
+        index = np.asarray(run.idx)[cand.repeat_index(len(run.idx), run.batch_size)]
+        ds = cand.IndexedDataset(run.src.path, index, resize=run.size)
+        c.measured(*run.rate(ds, trial_s))
+    except PackioError as exc:
+        c.error = str(exc)
+    c.reader_lines = cand.reader_lines(str(run.src.path), run.size, run.batch_size, c.settings)
+
+
+def _measure_layout(run: _Run, lay: cand.Layout, trial_s: float, now: Candidate) -> Candidate:
+    """Pack the sample as ``lay``, measure its stages and its rate (and, after the
+    original bytes of a folder, the one-file-per-sample baseline ``now``)."""
+    from packio.formats import open_reader
+
+    out_name = cand.output_name(run.src.name, lay)
+    c = Candidate(title=lay.title, tag=lay.tag, keeps_crops=lay.keeps_crops,
+                  convert_line=cand.convert_line(run.src.path, out_name, lay, run.src.csv),
+                  reader_lines=cand.reader_lines(out_name, lay.reader_resize, run.batch_size, {}))
+    dst = run.root / out_name
+    src_dir = run.packed.get(lay.pack_from or "", run.sample_dir)
+    run.say(f"packing {len(run.idx)} samples as {lay.title} ...")
+    try:
+        heavy = lay.resize is not None and src_dir == run.sample_dir  # a full decode of every original
+        packed, secs = cand.pack(src_dir, dst, lay, workers=run.pack_workers if heavy else 0)
+        if not packed:
+            raise PackioError("no sample of the source could be packed")
+        c.pack_s_per_sample = secs / packed
+        run.packed[lay.tag] = dst
+        c.bytes_per_sample = disk_bytes(dst) / packed
+        reader = open_reader(dst)
+        try:
+            c.stages = measure_stages(lay.title, lambda i: reader.read(i).payload, list(range(min(8, packed))),
+                                      run.size, run.batch_size, run.xfer)
+            if lay.tag == "orig":
+                run.jpegs[:] = [p for p in (bytes(reader.read(i).payload) for i in range(min(run.batch_size, packed)))
+                                if p[:3] == b"\xff\xd8\xff"]
+            run.say(f"timing {lay.title} ...")
+            ds = cand.IndexedDataset(dst, cand.repeat_index(packed, run.batch_size), resize=lay.reader_resize)
+            c.measured(*run.rate(ds, trial_s))
+            ds.reader.close()
+            if lay.tag == "orig" and run.src.kind == "folder":
+                run.say(f"timing {now.title} ...")
+                paths = [str(run.sample_dir / reader.read(i).key) for i in range(len(reader))]
+                settings = cand.process_settings(c.settings)
+                now.measured(cand.measure_files(paths, run.size, run.batch_size, settings, trial_s), settings)
+                now.note = "DataLoader settings of the original-bytes LMDB" + (
+                    " (its decode threads as worker processes)" if c.settings.get("threads", 0) > 1
+                    and not c.settings.get("num_workers") else "")
+        finally:
+            reader.close()
+    except PackioError as exc:
+        c.error = str(exc)
+    c.reader_lines = cand.reader_lines(out_name, lay.reader_resize, run.batch_size, c.settings)
+    return c
+
+
+def _gpu(run: _Run, ranked: list[Candidate], stages: StageCosts, ncpu: int, step_ms: float | None,
+         declared_ms: float | None) -> GpuVerdict:
+    import torch
+
+    original = next((c for c in ranked if c.tag == "orig" and not c.error), None)
+    best = next((c for c in ranked if not c.now and not c.error), None)
+    base = original.stages if original and original.stages else stages
+    no_decode = base.read + base.collate + base.transfer
+    cuda = torch.cuda.is_available()
+    gpu_ms, how = None, ""
+    if cuda:
+        gpu_ms = measure_gpu_decode(run.jpegs, run.batch_size)
+        how = "measured" if gpu_ms is not None else ""
+    elif declared_ms is not None:
+        gpu_ms, how = declared_ms, "declared by --gpu-decode-ms, not measured"
+    return verdict(batch_size=run.batch_size, step_ms=step_ms,
+                   cpu_rate_original=original.samples_per_s if original else 0.0,
+                   cpu_ceiling_no_decode=ncpu / no_decode if no_decode > 0 else float("inf"),
+                   decode_share=base.share("decode") + base.share("resize"),
+                   best_rate=best.samples_per_s if best else 0.0, best_title=best.title if best else "-",
+                   gpu_ms=gpu_ms, how=how, cuda=cuda)

@@ -1,0 +1,199 @@
+"""A diagnosis for a person: terminal text, Markdown, and one PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from packio.doctor.candidates import Candidate
+from packio.doctor.offline import Diagnosis
+from packio.doctor.stages import STAGES, StageCosts
+
+__all__ = ["recommendation", "text", "markdown", "plot", "write"]
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
+
+def _settings(s: dict) -> str:
+    if not s:
+        return "-"
+    parts = [f"workers {s.get('num_workers', 0)}"]
+    if s.get("prefetch_factor"):
+        parts.append(f"prefetch {s['prefetch_factor']}")
+    if s.get("threads"):
+        parts.append(f"threads {s['threads']}")
+    return ", ".join(parts)
+
+
+def _stage_line(st: StageCosts) -> str:
+    us = " · ".join(f"{name} {getattr(st, name) * 1e6:.0f}" for name in STAGES)
+    return f"{us} = {st.total * 1e6:.0f} µs"
+
+
+def _rows(d: Diagnosis) -> list[tuple[str, Candidate, list[str]]]:
+    """(rank label, candidate, cells) in ranked order: 1, 2, ... for layouts, 'now' for
+    the data as it is, '-' for errors. Cells: samples/s, CPU µs/sample, ≤/s on the CPUs,
+    × now, size of the full set, loader settings, note."""
+    out, rank = [], 0
+    for c in d.candidates:
+        rank += not (c.now or c.error)
+        cells = [f"{c.samples_per_s:.0f}", f"{c.cpu_per_sample * 1e6:.0f}", f"{c.ceiling(d.cpus):.0f}",
+                 _vs_now(d, c), _mb(c.full_bytes), _settings(c.settings), c.note]
+        out.append(("-" if c.error else "now" if c.now else str(rank), c, cells))
+    return out
+
+
+def _vs_now(d: Diagnosis, c: Candidate) -> str:
+    base = d.expected(d.now) if d.now and not d.now.error else 0.0
+    return f"{d.expected(c) / base:.1f}" if base > 0 else "-"
+
+
+def recommendation(d: Diagnosis) -> list[str]:
+    """The ranked advice: what to convert to, and the exact lines."""
+    best, crops, now = d.best, d.best_with_crops, d.now
+    if best is None:
+        return ["no layout could be measured (see the errors above)"]
+    base = d.expected(now) if now and not now.error else 0.0
+    how = f" (from CPU time; measured {best.samples_per_s:.0f} on the busy machine)" if d.busy else ""
+    lines = [f"recommendation: {best.title}: {d.expected(best):.0f} samples/s{how}"
+             + (f", {d.expected(best) / base:.1f} × {now.title}" if base else "")  # type: ignore[union-attr]
+             + f"; {_mb(best.full_bytes)} for all {d.count} samples",
+             f"  {best.convert_line}", *[f"  {x}" for x in best.reader_lines]]
+    if not best.keeps_crops:
+        lines.append(f"  note: this fixes the {d.size}x{d.size} crop at pack time (flips and GPU-side augmentation "
+                     "only).")
+        if crops is not None:
+            lines += [f"  with random-resized crops: {crops.title}: {d.expected(crops):.0f} samples/s, "
+                      f"{_mb(crops.full_bytes)}", f"  {crops.convert_line}", *[f"  {x}" for x in crops.reader_lines]]
+    if d.needed:
+        ok = [c for c in d.candidates if not c.error and d.expected(c) >= d.needed]
+        lines.append(f"a {d.step_ms:g} ms step of {d.batch_size} takes {d.needed:.0f} samples/s: "
+                     + (f"kept fed by {', '.join(c.title for c in ok)}" if ok else
+                        "no layout keeps it fed on these CPUs (expect waits: see the GPU line, or more CPUs)"))
+        small = min((c for c in ok if c.keeps_crops), key=lambda c: c.full_bytes, default=None)
+        if small is not None and small is not crops:
+            lines.append(f"  the smallest that does, keeping random crops: {small.title}, {_mb(small.full_bytes)}"
+                         + (f": {small.convert_line}" if small.convert_line else " (no conversion needed)"))
+        if now and not now.error and d.expected(now) < d.needed:
+            lines.append(f"  as it is now the step would wait ~{(1 - d.expected(now) / d.needed) * 100:.0f} % "
+                         "of the time (estimate: data time beyond the step, with the loader overlapping the step)")
+    return lines
+
+
+def text(d: Diagnosis) -> str:
+    st = d.stages
+    pct = 100 * d.sample / max(d.count, 1)
+    lines = [f"packio doctor — {d.source}",
+             f"budget: {d.budget.text()} → timing with {d.cpus} CPUs, num_workers tried {d.workers_tried}",
+             f"sample: {d.sample} of {d.count} ({pct:.1f} %), training size {d.size}, batch {d.batch_size}; "
+             f"took {d.elapsed:.0f} s of a {d.seconds:g} s budget",
+             "",
+             f"per-sample cost on one core, as stored (µs, {st.n} samples): {_stage_line(st)}",
+             f"  → at most {st.per_core():.0f} samples/s per core, {st.per_core() * d.cpus:.0f} on {d.cpus} CPUs; "
+             f"decode {st.share('decode') * 100:.0f} %, resize {st.share('resize') * 100:.0f} % "
+             f"(stored images ~{st.stored_hw[1]}x{st.stored_hw[0]} px)",
+             "",
+             f"{'rank':>4}  {'layout':32s} {'samples/s':>9} {'CPU µs/sample':>13} {f'≤/s on {d.cpus} CPUs':>15} "
+             f"{'× now':>6} {'full set':>8}  loader settings"]
+    widths = (9, 13, 15, 6, 8)
+    for label, c, cells in _rows(d):
+        lines.append(f"{label:>4}  {c.title:32s} " + (f"error: {c.error}" if c.error else " ".join(
+            f"{v:>{w}}" for v, w in zip(cells, widths)) + f"  {cells[-2]}" + (f"  ({c.note})" if c.note else "")))
+    lines.append(f"      (samples/s: measured; ≤/s: CPU time → what {d.cpus} CPUs of its own could give; "
+                 f"ranked by {'≤/s: the machine was busy' if d.busy else 'samples/s'})")
+    lines += ["", *recommendation(d), "", *d.gpu.lines, ""]
+    lines += [f"note: {n}" for n in d.notes]
+    return "\n".join(lines)
+
+
+def markdown(d: Diagnosis, png: str | None) -> str:
+    md = [f"# packio doctor — {d.source}", "",
+          f"- budget: {d.budget.text()}; timed with {d.cpus} CPUs, num_workers tried {d.workers_tried}",
+          f"- sample: {d.sample} of {d.count}, training size {d.size}, batch {d.batch_size}; "
+          f"{d.elapsed:.0f} s of a {d.seconds:g} s budget",
+          "", "## Per-sample cost on one core (µs)", "",
+          "| layout | " + " | ".join(STAGES) + " | total | samples/s per core |",
+          "|---|" + "---:|" * (len(STAGES) + 2)]
+    for c in [x for x in d.candidates if x.stages is not None]:
+        s = c.stages
+        md.append(f"| {c.title} | " + " | ".join(f"{getattr(s, k) * 1e6:.0f}" for k in STAGES)
+                  + f" | {s.total * 1e6:.0f} | {s.per_core():.0f} |")
+    md += ["", "## Layouts, ranked (warm page cache, settings from packio.tune)", "",
+           f"| rank | layout | samples/s | CPU µs/sample | ≤/s on {d.cpus} CPUs | × now | size, full set | "
+           "loader settings | note |",
+           "|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for label, c, cells in _rows(d):
+        md.append(f"| {label} | {c.title} | " + (f"error: {c.error} | | | | | | |" if c.error else
+                                                  " | ".join(cells) + " |"))
+    md += ["", f"samples/s: measured (wall clock); ≤/s: from the CPU time spent per sample, what {d.cpus} CPUs of its "
+           f"own could give (an upper bound); ranked by {'≤/s, as the machine was busy' if d.busy else 'samples/s'}."]
+    rec = recommendation(d)
+    md += ["", "## Recommendation", "", rec[0], "", "```bash" if rec[1:] else ""]
+    for line in rec[1:]:
+        md.append(line.strip())
+    md += ["```", "", "## GPU decode", "", *[f"- {x}" for x in d.gpu.lines], "", "## Notes", "",
+           *[f"- {n}" for n in d.notes], ""]
+    md.append(f"![stage costs and layouts]({png})" if png else
+              "(no chart: matplotlib is missing; `pip install 'packio[bench]'`)")
+    return "\n".join(md) + "\n"
+
+
+def plot(d: Diagnosis, path: Path) -> None:
+    """Stage costs as stacked bars (per layout measured), layouts as bars with values."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with_stages = [c for c in d.candidates if c.stages is not None]
+    ranked = [c for c in d.candidates if not c.error][::-1]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, max(3.5, 0.55 * len(ranked) + 2)))
+    colors = ["#8c8c8c", "#dd8452", "#55a868", "#4c72b0", "#c44e52"]
+    left = [0.0] * len(with_stages)
+    for stage, color in zip(STAGES, colors):
+        vals = [getattr(c.stages, stage) * 1e6 for c in with_stages]
+        ax1.barh(range(len(with_stages)), vals, left=left, color=color, label=stage)
+        left = [a + v for a, v in zip(left, vals)]
+    for y, total in enumerate(left):
+        ax1.text(total, y, f" {total:.0f}", va="center", fontsize=8)
+    ax1.set_yticks(range(len(with_stages)), [c.title for c in with_stages], fontsize=8)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("µs of CPU per sample")
+    ax1.set_title("where the time goes (per stage)")
+    ax1.legend(fontsize=8, ncol=len(STAGES), loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    rates = [d.expected(c) for c in ranked]
+    ax2.barh(range(len(ranked)), rates, color=["#8c8c8c" if c.now else "#4c72b0" for c in ranked])
+    for y, r in enumerate(rates):
+        ax2.text(r, y, f" {r:.0f}", va="center", fontsize=8)
+    ax2.set_yticks(range(len(ranked)), [c.title + (" (now)" if c.now else "") for c in ranked], fontsize=8)
+    ax2.set_xlabel(f"samples/s with {d.cpus} CPUs (batch {d.batch_size}, {d.size}x{d.size})"
+                   + ("\nfrom CPU time per sample: the machine was busy" if d.busy else ""))
+    ax2.set_title("layouts, timed with packio.tune's settings")
+    if d.needed:
+        ax2.axvline(d.needed, color="red", ls="--", label=f"step needs {d.needed:.0f}/s")
+        ax2.legend(fontsize=8, loc="lower right")
+    ax2.set_xlim(0, max(rates + [d.needed or 0]) * 1.18 if rates else 1)
+    fig.suptitle(f"packio doctor — {d.source}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, format="png")
+    plt.close(fig)
+
+
+def write(d: Diagnosis, folder: str | Path) -> tuple[Path, Path | None]:
+    """``folder/doctor.md`` and ``folder/doctor.png`` (PNG skipped, with a note,
+    without matplotlib). Each is written under a temporary name, then renamed."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    png: Path | None = out / "doctor.png"
+    try:
+        tmp = out / ".doctor.png.tmp"
+        plot(d, tmp)
+        tmp.rename(png)  # type: ignore[arg-type]
+    except ImportError:
+        png = None
+    md = out / "doctor.md"
+    tmp_md = out / ".doctor.md.tmp"
+    tmp_md.write_text(markdown(d, png.name if png else None))
+    tmp_md.rename(md)
+    return md, png

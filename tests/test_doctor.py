@@ -1,0 +1,265 @@
+"""packio doctor: the in-loop wrapper's numbers against known delays, the CPU/memory
+budget from cgroup files, and the offline recommendation on large slow-to-decode JPEGs."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import packio
+from packio import cli
+from packio.doctor import report
+from packio.doctor.limits import budget
+from packio.doctor.loop import watch
+from packio.doctor.offline import diagnose
+from packio.errors import PackioError
+
+
+class Pacer:
+    """Sleeps ``delay`` per call on average: a late wake-up (a busy machine wakes
+    sleepers milliseconds late) is paid back by the next calls, so the total stays
+    within one wake-up of ``calls × delay``. Returns what the call really took."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.debt = delay, 0.0
+
+    def __call__(self) -> float:
+        t = time.perf_counter()
+        if self.delay - self.debt > 0:
+            time.sleep(self.delay - self.debt)
+        took = time.perf_counter() - t
+        self.debt += took - self.delay
+        return took
+
+
+class SleepyLoader:
+    """Batches of 4 labels; sleeps ``delay`` s before each and records what it really slept."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay, self.slept = n, delay, []
+
+    def __iter__(self):
+        pace = Pacer(self.delay)
+        for i in range(self.n):
+            self.slept.append(pace())
+            yield {"label": torch.arange(4) + 4 * i}
+
+
+def run_loop(loader_delay: float, step_delay: float, n: int = 30):
+    loader = SleepyLoader(n, loader_delay)
+    steps, seen, pace = [], [], Pacer(step_delay)
+    with watch(loader, cuda=False) as feed:
+        for batch in feed:
+            seen.append(batch["label"])
+            steps.append(pace())
+    return feed, feed.report(file=None), loader, steps, seen
+
+
+def test_watch_slow_loader_is_input_bound():
+    feed, rep, loader, steps, seen = run_loop(0.020, 0.005)
+    assert rep.input_bound >= 0.75
+    assert rep.steps == 30 and rep.samples == 120 and rep.passes == 1 and rep.timing == "wall clock"
+    assert torch.equal(torch.cat(seen), torch.arange(120))  # every batch passed through, in order
+    # the figures are the truth the loader and the step recorded themselves (first wait = start-up)
+    truth_wait, truth_step = sum(loader.slept[1:]), sum(steps)
+    assert rep.wait_s == pytest.approx(truth_wait, rel=0.1, abs=0.005)
+    assert rep.step_s == pytest.approx(truth_step, rel=0.1, abs=0.005)
+    assert rep.wait_p50_ms == pytest.approx(np.percentile(loader.slept[1:], 50) * 1e3, abs=2)
+    assert rep.wait_p99_ms == pytest.approx(np.percentile(loader.slept[1:], 99) * 1e3, rel=0.2, abs=3)
+    lo, hi = rep.loader_alone_per_s  # a loader of unknown kind: a range that holds its true 1/20 ms
+    assert lo <= 1 / np.mean(loader.slept[1:]) * 1.05 and hi >= 1 / np.mean(loader.slept[1:]) * 0.95
+    assert "waits for data" in rep.text() and rep.advice
+    batches_s, samples_s = feed.measure_loader(seconds=0.3)
+    assert 1 / max(loader.slept[-5:]) * 0.8 <= batches_s <= 1 / min(loader.slept[-5:]) * 1.05
+    assert samples_s == pytest.approx(4 * batches_s)
+    assert feed.report(file=None).loader_alone_how.startswith("measured")
+
+
+def test_watch_slow_step_is_not_input_bound():
+    _, rep, loader, steps, _ = run_loop(0.005, 0.020)
+    assert rep.input_bound <= 0.25
+    assert rep.wait_s == pytest.approx(sum(loader.slept[1:]), rel=0.1, abs=0.005)
+    assert rep.step_s == pytest.approx(sum(steps), rel=0.1, abs=0.005)
+
+
+def test_watch_break_passes_and_one_shot():
+    batches = [[i] for i in range(10)]
+    feed = watch(batches)
+    for k, b in enumerate(feed):
+        if k == 4:
+            break  # the step in progress ends when the loop leaves
+    assert list(feed) == batches  # a second pass sees everything again
+    rep = feed.report(file=None)
+    assert rep.passes == 2 and rep.steps == 15 and rep.samples == 15
+    assert len(feed.waits) == 15 - 2  # the first wait of each pass is start-up
+    with pytest.raises(PackioError, match="one-shot"):
+        watch(iter(batches)).measure_loader(0.1)
+    if not torch.cuda.is_available():
+        with pytest.raises(PackioError, match="needs CUDA"):
+            list(watch(batches, cuda=True))
+
+
+def test_watch_with_worker_processes(gen_folder, tmp_path):
+    src, _ = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", resize=32)
+    loader = packio.DataLoader(ds, batch_size=3, num_workers=2, shuffle=True)
+    keys = []
+    with watch(loader) as feed:
+        for batch in feed:
+            keys += batch["key"]
+    rep = feed.report(file=None)
+    assert sorted(keys) == sorted(ds.sample(i).key for i in range(len(ds)))  # each sample exactly once
+    assert rep.samples == len(ds) and rep.num_workers == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_watch_cuda_counts_asynchronous_kernels():
+    """The step only queues GPU work (returns at once); the loader is instant. Wall
+    time would call this input-bound; CUDA events see a busy GPU."""
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    with watch([0] * 20, cuda=True) as feed:
+        for _ in feed:
+            for _ in range(20):
+                x = (x @ x).clamp_(-1, 1)
+    rep = feed.report(file=None)
+    assert rep.timing == "CUDA events" and rep.input_bound <= 0.1 and rep.step_p50_ms > 5
+
+
+# ------------------------------------------------------------------ budget
+
+def _files(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_budget_cgroup_v2_tightest_level_wins(tmp_path):
+    root = _files(tmp_path / "cg", {
+        "cgroup.controllers": "cpu memory", "cpu.max": "max 100000", "memory.max": "max",
+        "job/cpu.max": "150000 100000", "job/memory.max": str(3 << 30),
+        "job/step/cpu.max": "400000 100000", "job/step/memory.max": "max", "job/step/memory.current": str(1 << 30)})
+    own = _files(tmp_path, {"self": "0::/job/step\n"}) / "self"
+    b = budget(root, own, affinity=8, physical=16 << 30)
+    assert b.cpu_quota == 1.5 and b.cpus == 1  # 1.5 CPUs → 1 worker's worth, not 2
+    assert b.memory == 3 << 30 and b.memory_limited and b.memory_used == 1 << 30
+    assert b.max_workers(batch_bytes=100 << 20) == 1
+    assert str(root / "job" / "cpu.max") in b.sources and "1.5" in b.text()
+
+
+def test_budget_cgroup_v1_and_no_limits(tmp_path):
+    root = _files(tmp_path / "cg", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "250000", "cpu,cpuacct/cpu.cfs_period_us": "100000",
+        "memory/memory.limit_in_bytes": str(2 << 30), "memory/memory.usage_in_bytes": "0"})
+    own = _files(tmp_path, {"self": "4:memory:/\n2:cpu,cpuacct:/\n"}) / "self"
+    b = budget(root, own, affinity=4, physical=16 << 30)
+    assert (b.cpus, b.cpu_quota, b.memory, b.memory_limited) == (2, 2.5, 2 << 30, True)
+    free = _files(tmp_path / "free", {
+        "cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000",
+        "memory/memory.limit_in_bytes": "9223372036854771712"})
+    b = budget(free, own, affinity=4, physical=16 << 30)
+    assert (b.cpus, b.cpu_quota, b.memory, b.memory_limited) == (4, None, 16 << 30, False)
+    b = budget(tmp_path / "absent", tmp_path / "absent-self", affinity=3, physical=1 << 30)
+    assert (b.cpus, b.memory) == (3, 1 << 30)
+
+
+# ------------------------------------------------------------------ offline
+
+def big_jpegs(root: Path, n: int, seed: int = 0) -> Path:
+    """Large photo-like JPEGs (1600x1200, q95, no chroma subsampling): slow to decode."""
+    import cv2
+    import simplejpeg
+
+    rng = np.random.default_rng(seed)
+    grain = rng.normal(0, 10, (1300, 1700, 3)).astype(np.int16)  # one noise field, cropped per image
+    for i in range(n):
+        small = rng.integers(0, 255, (24, 32, 3), dtype=np.uint8)
+        y, x = (int(v) for v in rng.integers(0, 100, 2))
+        img = cv2.resize(small, (1600, 1200), interpolation=cv2.INTER_CUBIC) + grain[y:y + 1200, x:x + 1600]
+        d = root / f"class_{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        jpg = simplejpeg.encode_jpeg(np.clip(img, 0, 255).astype(np.uint8), quality=95, colorsubsampling="444")
+        (d / f"img_{i:03d}.jpg").write_bytes(jpg)
+    return root
+
+
+def test_recommends_a_preresized_layout_for_large_jpegs(tmp_path, monkeypatch):
+    src = big_jpegs(tmp_path / "big", 16)
+    one_cpu = _files(tmp_path / "cg", {"cgroup.controllers": "cpu", "cpu.max": "100000 100000"})
+    d = diagnose(src, size=224, batch_size=8, seconds=8, cgroup_root=one_cpu, work=tmp_path)
+    assert d.cpus == 1 and d.budget.cpu_quota == 1.0  # sized to the cgroup's 1 CPU, not the machine's
+    assert d.sample == 16 and not [c.error for c in d.candidates if c.error]
+    assert d.stages.share("decode") > 0.5 and d.stages.stored_hw == (1200, 1600)
+    titles = [c.title for c in d.candidates]
+    best = d.candidates[0]
+    assert best.tag in ("jpeg256", "bmp256", "u8-224"), titles  # a pre-resized layout ranks first
+    orig = next(c for c in d.candidates if c.tag == "orig")
+    assert best.samples_per_s > 1.5 * orig.samples_per_s
+    assert best.full_bytes == pytest.approx(best.bytes_per_sample * 16)
+    assert not list(tmp_path.glob("packio-doctor-*"))  # the packed samples are gone
+    # the printed lines do what they say: convert the full folder, then read it
+    monkeypatch.chdir(tmp_path)
+    args = shlex.split(best.convert_line)
+    assert args[:2] == ["packio", "convert"] and cli.main(args[1:] + ["--quiet"]) == 0
+    ns = {"packio": packio}
+    exec("\n".join(best.reader_lines), ns)
+    batch = next(iter(ns["loader"]))
+    assert tuple(batch["image"].shape) == (8, 3, 224, 224)
+    text = report.text(d)
+    assert "recommendation: " + best.title in text and best.convert_line in text and "GPU decode" in text
+    md, png = report.write(d, tmp_path / "rep")
+    assert best.convert_line in md.read_text()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert png is None and "matplotlib is missing" in md.read_text()
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](doctor.png)" in md.read_text()
+
+
+def test_cli_doctor_on_a_packed_dataset(gen_folder, tmp_path, capsys):
+    src, _ = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", progress=False)
+    assert cli.main(["doctor", str(tmp_path / "d.lmdb"), "--seconds", "12", "--batch-size", "4", "--size", "64",
+                     "--cpus", "1", "--step-ms", "10", "--quiet", "--work", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "as stored (lmdb)" in out and "recommendation:" in out
+    assert "num_workers tried [0]" in out and "no time to tune" not in out  # packio.tune picked (1 CPU: no workers)
+    assert f"packio convert {tmp_path / 'd.lmdb'} d-" in out  # output named after the dataset
+    assert "a 10 ms step of 4 takes 400 samples/s" in out
+    assert "cannot tell without a GPU" in out or "GPU decode (measured)" in out
+    assert cli.main(["doctor", str(tmp_path / "missing")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_cpu_seconds_counts_worker_processes():
+    """The CPU time behind the busy-machine ranking includes live child processes."""
+    import multiprocessing as mp
+
+    from packio.doctor.measure import cpu_seconds
+
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    child = ctx.Process(target=lambda: (_spin(0.3), go.set(), time.sleep(5)))
+    before = cpu_seconds()
+    child.start()
+    try:
+        assert go.wait(20)
+        assert cpu_seconds() - before >= 0.25  # the child's 0.3 s of CPU, while it is alive
+    finally:
+        child.terminate()
+        child.join()
