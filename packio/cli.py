@@ -83,7 +83,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
                       workers=a.workers, strict=a.strict, resize=spec, encode=a.encode, quality=a.quality,
                       overwrite=a.overwrite, shards=a.shards, shard_samples=a.shard_samples,
                       shard_bytes=a.shard_bytes, progress=False if a.quiet else None, scheduler=a.scheduler,
-                      parts=a.parts, follow_symlinks=a.follow_symlinks)
+                      parts=a.parts, check=a.check, follow_symlinks=a.follow_symlinks)
     shown = summary.problems if a.verbose else summary.problems[:20]
     for line in shown:
         print(f"skipped: {line}", file=sys.stderr)
@@ -209,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="image encoding stored: 'keep' (default) stores each image's bytes as found when the "
                         "format can hold them (resized images keep their encoding); jpeg/png/bmp re-encode")
     c.add_argument("--quality", type=_int_in(1, 100), default=90, help="JPEG quality 1 to 100 when encoding JPEG")
+    c.add_argument("--check", choices=("auto", "header", "decode"), default="auto",
+                   help="damaged JPEGs (libjpeg's 'corrupt data' warnings) are skipped where images are decoded "
+                        "strictly: 'auto' (default) those decoded anyway (resized, re-encoded), at no extra cost; "
+                        "'decode' every image (a decode each); 'header' none (headers and end markers only)")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it is a packio dataset (atomically)")
     c.add_argument("--follow-symlinks", action="store_true",
                    help="follow symlinks in SRC leading outside it, and symlinked folders (default: skipped, counted)")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["Ragged", "ragged", "unpack", "collate"]
+__all__ = ["Ragged", "ragged", "batch_buffer", "slots_of_one_buffer", "unpack", "collate"]
 
 
 class Ragged:
@@ -18,16 +18,48 @@ class Ragged:
 
     def __init__(self, parts: list[torch.Tensor]) -> None:
         self.flat = torch.cat(parts) if parts else torch.zeros(0)
-        self.lengths = [len(p) for p in parts]
+        self.lengths = [p.shape[0] for p in parts]
 
     def split(self) -> list[torch.Tensor]:
         return list(self.flat.split(self.lengths)) if self.lengths else []
 
 
 def ragged(parts: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor] | Ragged:
-    """Per-sample tensors as views of one block (``packed``: the Ragged itself)."""
+    """``packed``: one Ragged. Otherwise, in a DataLoader worker, views of one block
+    (one shared-memory segment to send, not one per tensor); in the main process
+    the tensors themselves."""
+    if not packed and get_worker_info() is None:
+        return list(parts)
     r = Ragged(parts)
     return r if packed else r.split()
+
+
+def batch_buffer(n: int, h: int, w: int) -> torch.Tensor:
+    """``uint8[n, h, w, 3]`` for a batch's images; in a DataLoader worker it is made
+    in shared memory, so the batch crosses to the main process without a copy."""
+    if get_worker_info() is None:
+        return torch.empty((n, h, w, 3), dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(n * h * w * 3)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(n, h, w, 3)
+
+
+def slots_of_one_buffer(images: list[Any]) -> torch.Tensor | None:
+    """``[B, C, H, W]`` over the buffer when ``images`` are its consecutive HWC slots,
+    first to last (what one batch read of packio's datasets hands out), else None."""
+    first = images[0]
+    if not isinstance(first, torch.Tensor) or first._base is None or first.dim() != 3:
+        return None
+    base, shape, stride = first._base, first.shape, first.stride()
+    c, h, w = shape
+    if stride != (1, w * c, c):
+        return None
+    ptr, step = first.data_ptr(), c * h * w * first.element_size()
+    for j, im in enumerate(images):  # views of one base tensor (so of one allocation), slot after slot
+        if (not isinstance(im, torch.Tensor) or im._base is not base or im.data_ptr() != ptr + j * step
+                or im.shape != shape or im.stride() != stride):
+            return None
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (len(images), h, w, c)).permute(0, 3, 1, 2)
 
 
 def unpack(batch: Any) -> Any:
@@ -39,7 +71,7 @@ def unpack(batch: Any) -> Any:
     return batch
 
 
-def collate(items: list[dict[str, Any] | None] | dict[str, Any], packed: bool = False) -> dict[str, Any]:
+def collate(items: list[dict[str, Any] | None], packed: bool = False) -> dict[str, Any]:
     """List of sample dicts → one batch dict.
 
     ``image``: one ``[B, C, H, W]`` tensor when all shapes agree (decoded images come
@@ -49,14 +81,15 @@ def collate(items: list[dict[str, Any] | None] | dict[str, Any], packed: bool = 
     ``packio.DataLoader``, which unpacks them). ``None`` items (skipped corrupt
     samples) are dropped.
     """
-    if not isinstance(items, list):  # already a batch (a reader's whole-batch fast path), or deferred
-        return items
     items = [x for x in items if x is not None]
     if not items:
         return {"image": [], "label": torch.zeros(0, dtype=torch.int64), "boxes": [], "box_labels": [],
                 "key": [], "index": torch.zeros(0, dtype=torch.int64)}
-    images = [x["image"] for x in items]
-    if all(isinstance(im, torch.Tensor) for im in images) and len({im.shape for im in images}) == 1:
+    images: Any = [x["image"] for x in items]
+    block = slots_of_one_buffer(images)
+    if block is not None:
+        images = block  # already one batch buffer: no stack, no copy
+    elif all(isinstance(im, torch.Tensor) for im in images) and len({im.shape for im in images}) == 1:
         # Decoded images are CHW views of HWC pixels: stack the HWC memory (a plain
         # copy; stacking the strided views is slower, see tools/bench_levers.py) and
         # return NCHW in channels_last memory.

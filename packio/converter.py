@@ -29,19 +29,20 @@ import numpy as np
 
 from packio import decode as dec
 from packio import geometry as geo
+from packio import limits
 from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError, SourceError
-from packio.formats import base as formats_base
 from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, disk_bytes
-from packio.sample import Sample, checksum
-from packio.sources import SourceItem, boxes_to_stored_frame, scan_source
+from packio.sample import Sample, checksum, unstorable
+from packio.sources import SourceItem, boxes_to_stored_frame, read_image_file, scan_source
 
 __all__ = ["Summary", "convert"]
 
 TMP_MARK = ".packio-tmp-"
 REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
 ENCODE_CHOICES = ("keep", "jpeg", "png", "bmp")
+CHECKS = ("auto", "header", "decode")
 # Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
 # workers="auto": time the first inputs here, then use processes only when each input costs at
@@ -93,6 +94,7 @@ class _Prep:
     reader: Reader | None = None  # set when the source is a packed dataset
     encode: str = "keep"  # "keep" or the encoding every stored image gets
     shape: tuple[int, int] | None = None  # (h, w) every stored image must have
+    check: str = "auto"  # see convert(); "auto": images decoded anyway are decoded strictly
 
 
 # (sample or None, skip reason or - for a sample - what was done to it ("jpeg kept", "bmp→jpeg")
@@ -100,16 +102,9 @@ class _Prep:
 Result = tuple[Sample | None, str, str]
 
 
-def _unreadable(s: Sample) -> str:
-    """Why every reader would refuse this sample's record ('' when none would): more boxes
-    than their array limit, or a record over their size limit in either codec."""
-    base = formats_base  # read at call time: one limit for writer and readers
-    if len(s.boxes) > base.MAX_BOXES:
-        return f"more than {base.MAX_BOXES} boxes in one image"
-    rec = s.record()
-    if max(len(base.pack_record(rec)), len(base.pack_record(rec, text=True))) > base.MAX_RECORD_BYTES:
-        return f"record over {base.MAX_RECORD_BYTES} bytes (too many boxes in one image)"
-    return ""
+def _native_errors() -> tuple[type[BaseException], ...]:
+    """What OpenCV, simplejpeg and numpy raise on an image they cannot handle."""
+    return (ValueError, MemoryError, RuntimeError, OverflowError, dec._cv2().error)
 
 
 def _target_encoding(prep: _Prep, found: str) -> str:
@@ -129,54 +124,61 @@ def _finish(prep: _Prep, s: Sample, where: str, orientation: int | None = None) 
     Stored images are always upright: an EXIF orientation is applied here to the
     pixels and the boxes together (``s.boxes`` are in the frame of ``s.payload`` as
     stored), and the image re-encoded even when it would otherwise be kept as found."""
-    unreadable = _unreadable(s)
-    if unreadable:
-        return None, unreadable, f"{where} ({len(s.boxes)} boxes)"
     if orientation is None:
         orientation = 1 if isinstance(s.payload, np.ndarray) else dec.exif_orientation(s.payload)
     found = s.encoding
     to = _target_encoding(prep, found)
     if orientation == 1 and not prep.resize.active and to == found and (
             prep.shape is None or (s.height, s.width) == prep.shape):
-        return s, f"{found} kept", where
+        if prep.check == "decode" and not isinstance(s.payload, np.ndarray):
+            try:
+                dec.check_decode(s.payload)
+            except _native_errors() as exc:
+                return None, "corrupt image data", f"{where} ({exc})"
+        return _storable(s, f"{found} kept", where)
     if isinstance(s.payload, np.ndarray):
         img = s.payload
     else:
-        try:
-            img = dec.decode(s.payload)  # pixels as stored; the orientation is applied below, with the boxes
-        except ValueError as exc:
+        try:  # pixels as stored; the orientation is applied below, with the boxes
+            img = dec.decode(s.payload, strict=prep.check != "header", max_pixels=prep.max_pixels)
+        except _native_errors() as exc:
             return None, "corrupt image data", f"{where} ({exc})"
+    if prep.resize.active and (why := dec.output_problem(prep.resize, *img.shape[:2], to, prep.max_pixels)):
+        return None, "resize target too large", f"{where} ({why})"
     boxes, box_labels = s.boxes, s.box_labels
-    if orientation != 1:
-        boxes = geo.orient(boxes, orientation, img.shape[1], img.shape[0])
-        img = np.ascontiguousarray(geo.orient_image(img, orientation))
-    if prep.resize.active:
-        img, boxes, box_labels = dec.apply_spec(img, boxes, box_labels, prep.resize)
-    if prep.shape is not None and img.shape[:2] != prep.shape:
-        return None, "image shape differs from the dataset's fixed shape", f"{where} ({img.shape[1]}x{img.shape[0]})"
-    # only turned upright (same encoding, no resize): a lossy source is re-encoded at high quality
-    quality = max(prep.quality, 95) if to == found and not prep.resize.active else prep.quality
-    payload = img if to == "raw" else dec.encode(img, to, quality)
+    try:
+        if orientation != 1:
+            boxes = geo.orient(boxes, orientation, img.shape[1], img.shape[0])
+            img = np.ascontiguousarray(geo.orient_image(img, orientation))
+        if prep.resize.active:
+            img, boxes, box_labels = dec.apply_spec(img, boxes, box_labels, prep.resize)
+        if prep.shape is not None and img.shape[:2] != prep.shape:
+            return None, "image shape differs from the dataset's fixed shape", f"{where} ({img.shape[1]}x{img.shape[0]})"
+        # only turned upright (same encoding, no resize): a lossy source is re-encoded at high quality
+        quality = max(prep.quality, 95) if to == found and not prep.resize.active else prep.quality
+        payload = img if to == "raw" else dec.encode(img, to, quality)
+    except _native_errors() as exc:
+        return None, "cannot resize or encode", f"{where} ({type(exc).__name__}: {exc})"
     meta = dict(s.meta, exif_orientation=orientation) if orientation != 1 else s.meta
     out = Sample(key=s.key, payload=payload, encoding=to, label=s.label, boxes=boxes,
                  box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=meta)
     out.checksum = checksum(out.payload)
-    return out, f"{found}→{to}" + (f"; {REORIENTED}" if orientation != 1 else ""), where
+    return _storable(out, f"{found}→{to}" + (f"; {REORIENTED}" if orientation != 1 else ""), where)
+
+
+def _storable(s: Sample, done: str, where: str) -> Result:
+    """The sample (and what was done to it), or a skip when a reader would refuse what it stores."""
+    problem = unstorable(s)
+    if problem is not None:
+        return None, problem[0], f"{where} ({problem[1]})"
+    return s, done, where
 
 
 def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
-    try:
-        with open(item.path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        return None, "unreadable file", f"{item.path} ({exc.strerror})"
-    if not data:
-        return None, "empty file", item.path
+    data, reason, detail = read_image_file(item.path, limits.MAX_INPUT_BYTES)
+    if data is None:
+        return None, reason, f"{item.path} ({detail})" if detail else item.path
     enc = dec.sniff(data)
-    if enc is None:
-        return None, "not an image", item.path
-    if enc == "gif":
-        return None, "unsupported image type (gif)", item.path
     try:
         w, h = dec.image_size(data, enc)
     except Exception as exc:  # header parsers raise many types on garbage
@@ -317,8 +319,9 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
             columns: dict[str, str] | None = None, workers: int | str = "auto", strict: bool = False,
             resize: dec.ResizeSpec | None = None, encode: str = "keep", quality: int = 90,
             overwrite: bool = False, shards: int | None = None, shard_samples: int | None = None,
-            shard_bytes: int = 1 << 30, progress: bool | None = None, max_pixels: int = dec.MAX_PIXELS,
-            scheduler: Any = None, parts: int | None = None, follow_symlinks: bool = False) -> Summary:
+            shard_bytes: int = 1 << 30, progress: bool | None = None, max_pixels: int | None = None,
+            scheduler: Any = None, parts: int | None = None, check: str = "auto",
+            follow_symlinks: bool = False) -> Summary:
     """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
 
     The format comes from ``format`` or ``dst``'s suffix (``.lmdb`` ``.h5`` ``.wds``
@@ -342,6 +345,15 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     by one task into its own part; the parts are committed under one manifest once
     all of them are complete (needs ``pip install 'packio[dask]'``).
 
+    ``check``: a JPEG that libjpeg decodes only with warnings (garbage entropy data, a
+    cut scan) is skipped and counted as "corrupt image data" wherever it is decoded
+    strictly. ``"auto"`` (default): images decoded anyway (to resize, re-encode or turn
+    upright) are decoded strictly, at no extra cost; images stored as found get the
+    header checks only. ``"decode"``: every image is decoded strictly, stored as found
+    or not (costs a decode per image). ``"header"``: headers and JPEG end markers only,
+    lenient decoding (a damaged image is re-encoded with made-up pixels).
+    ``max_pixels`` defaults to ``packio.limits.MAX_PIXELS``.
+
     ``dst`` may not be, hold or lie inside ``src``; a lock beside it makes a second
     conversion to the same path fail at once. ``overwrite`` replaces only a packio
     dataset, atomically. Symlinks in ``src`` are followed only where they stay inside
@@ -356,6 +368,9 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
                    shard_bytes=shard_bytes, parts=parts)
     if encode not in ENCODE_CHOICES:
         raise PackioError(f"encode must be one of {', '.join(ENCODE_CHOICES)}, got {encode!r}")
+    if check not in CHECKS:
+        raise PackioError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
+    max_pixels = limits.MAX_PIXELS if max_pixels is None else max_pixels
     if encode not in ("keep", spec.payload) and spec.payload != "encoded":
         raise PackioError(f"the {spec.name} format stores {'BMP' if spec.payload == 'bmp' else 'decoded uint8 pixels'}"
                           f" only; drop --encode {encode} (or choose another output format)")
@@ -373,14 +388,15 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         return _convert(src, dst, spec, resize, packed_src, t0, csv=csv, columns=columns, workers=workers,
                         strict=strict, encode=encode, quality=quality, overwrite=overwrite, shards=shards,
                         shard_samples=shard_samples, shard_bytes=shard_bytes, progress=progress,
-                        max_pixels=max_pixels, scheduler=scheduler, parts=parts, follow_symlinks=follow_symlinks)
+                        max_pixels=max_pixels, scheduler=scheduler, parts=parts, check=check,
+                        follow_symlinks=follow_symlinks)
 
 
 def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, packed_src: bool, t0: float, *,
              csv: str | Path | None, columns: dict[str, str] | None, workers: int | str, strict: bool,
              encode: str, quality: int, overwrite: bool, shards: int | None, shard_samples: int | None,
              shard_bytes: int, progress: bool | None, max_pixels: int, scheduler: Any, parts: int | None,
-             follow_symlinks: bool) -> Summary:
+             check: str, follow_symlinks: bool) -> Summary:
     """convert() once its arguments are checked and the output is locked."""
     summary = Summary(output=str(dst), format=spec.name)
     notes: Counter[str] = Counter()
@@ -413,7 +429,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, pac
                           f"or --short-side N with --crop HxW")
     payload = "encoded" if spec.payload == "encoded" and encode != "keep" else spec.payload_for(fixed)
     prep = _Prep(payload, resize, quality, max_pixels, encode=encode,
-                 shape=fixed if payload == "raw" else None)
+                 shape=fixed if payload == "raw" else None, check=check)
     if packed_src:
         fn = functools.partial(_prepare_packed, dataclasses.replace(prep, reader=reader))
     else:
@@ -422,7 +438,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, pac
                     "source": str(src), "to": spec.name, "resize": resize.to_json() if resize.active else None,
                     "encode": encode, "quality": quality})
     image = {"payload": payload, "resize": resize.to_json() if resize.active else None,
-             "quality": quality, "encode": encode,
+             "quality": quality, "encode": encode, "check": check,
              "shape": list(fixed) + [3] if fixed else None, "history": history}
     n_shards = plan_shards(len(tasks), shards) if shard_samples is None else 0
     job = _Job(spec.name, WriteOptions(shard_samples=shard_samples or MAX_SHARD_SAMPLES, shard_bytes=shard_bytes,

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import functools
 import io
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from packio import geometry as geo
+from packio import limits
 
-__all__ = ["MAX_PIXELS", "sniff", "image_size", "exif_orientation", "stored_hw", "available_backends",
-           "decode", "ResizeSpec", "resize", "apply_spec", "encode"]
+__all__ = ["MAX_PIXELS", "sniff", "image_size", "check_pixels", "exif_orientation", "stored_hw", "available_backends",
+           "CorruptImageError", "decode", "check_decode", "output_problem", "ResizeSpec", "resize", "apply_spec",
+           "encode"]
 
-MAX_PIXELS = 178_956_970  # PIL's decompression-bomb limit: refuse larger headers
+MAX_PIXELS = limits.MAX_PIXELS  # the default; packio.limits.MAX_PIXELS is read at call time
 
 
 def sniff(data: bytes | memoryview) -> str | None:
@@ -38,18 +41,44 @@ def sniff(data: bytes | memoryview) -> str | None:
     return None
 
 
-def image_size(data: bytes, encoding: str) -> tuple[int, int]:
-    """(width, height) from the header alone. Raises ValueError when unreadable."""
+def image_size(data: bytes | memoryview, encoding: str) -> tuple[int, int]:
+    """(width, height) from the header alone. Raises ValueError when unreadable.
+
+    PNG and BMP keep their size at fixed places (read here: cheap enough for every
+    read of the bmp format); WebP goes through PIL, whose global pixel limit is left
+    as the user set it (PIL raises its DecompressionBombError past twice that)."""
     if encoding == "jpeg":
         import simplejpeg
 
         h, w, _, _ = simplejpeg.decode_jpeg_header(data)
         return int(w), int(h)
+    head = bytes(data[:32])
+    if encoding == "png":
+        if len(head) < 24 or head[12:16] != b"IHDR":
+            raise ValueError("PNG without an IHDR header")
+        return struct.unpack(">II", head[16:24])
+    if encoding == "bmp":
+        if len(head) < 26:
+            raise ValueError("BMP header is truncated")
+        if struct.unpack_from("<I", head, 14)[0] == 12:  # OS/2 BITMAPCOREHEADER
+            return struct.unpack_from("<HH", head, 18)
+        w, h = struct.unpack_from("<ii", head, 18)
+        return w, abs(h)  # a negative height means rows stored top-down
     from PIL import Image
 
-    Image.MAX_IMAGE_PIXELS = None  # packio applies its own limit below, with a clear message
-    with Image.open(io.BytesIO(data)) as im:
-        return im.size
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as im:
+            return im.size
+    except Exception as exc:  # PIL raises many types on garbage, and DecompressionBombError
+        raise ValueError(f"unreadable {encoding} header ({exc})") from None
+
+
+def check_pixels(w: int, h: int, max_pixels: int | None = None) -> None:
+    """ValueError when an image of w x h would be empty or over the pixel limit."""
+    limit = limits.MAX_PIXELS if max_pixels is None else max_pixels
+    if w <= 0 or h <= 0 or w * h > limit:
+        raise ValueError(f"image of {w}x{h} pixels is empty or over packio's limit of {limit} "
+                         f"(packio.limits.MAX_PIXELS)")
 
 
 def _jpeg_has_exif(data: bytes | memoryview) -> bool:
@@ -166,31 +195,58 @@ def _pil_decode(data: bytes | memoryview, apply_exif: bool) -> np.ndarray:
         return np.asarray(im.convert("RGB"))
 
 
+class CorruptImageError(ValueError):
+    """The image decodes only with warnings (libjpeg's "Corrupt JPEG data": garbage
+    entropy data, a truncated scan): the pixels are partly made up."""
+
+
+def _simplejpeg(data: bytes | memoryview, strict: bool, kw: dict[str, Any]) -> np.ndarray:
+    import simplejpeg
+
+    try:
+        return simplejpeg.decode_jpeg(data, strict=True, **kw)
+    except ValueError as exc:
+        if not strict:
+            raise
+        try:  # decodes when lenient: libjpeg only warned, which strict treats as damage
+            simplejpeg.decode_jpeg(data, strict=False, **kw)
+        except ValueError:
+            raise exc from None  # a hard failure: the next backend may read it
+        raise CorruptImageError(f"corrupt JPEG data ({exc})") from None
+
+
 def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[int, int] | None = None,
-           apply_exif: bool = False) -> np.ndarray:
+           apply_exif: bool = False, strict: bool = False, max_pixels: int | None = None) -> np.ndarray:
     """Decode to ``uint8[H, W, 3]`` RGB (grayscale and CMYK become RGB).
 
     ``min_size=(h, w)`` lets libjpeg-turbo decode at 1/2, 1/4 or 1/8 scale when the
     result still covers it (other DCT scales are slower than a full decode).
     ``apply_exif`` rotates by the EXIF orientation (OpenCV / PIL path).
+    The header's size is checked against ``max_pixels`` (default
+    ``packio.limits.MAX_PIXELS``) before anything is decoded. ``strict``: a JPEG that
+    libjpeg decodes only with warnings raises ``CorruptImageError`` instead of
+    falling back to a lenient decoder (which would return made-up pixels).
     Raises ``ValueError`` when no backend can decode the bytes.
     """
     enc = sniff(data)
+    if enc not in ("jpeg", "png", "bmp", "webp"):
+        raise ValueError(f"not a JPEG, PNG, BMP or WebP image ({enc or 'unknown type'})")
+    check_pixels(*image_size(data, enc), max_pixels)
     errors: list[str] = []
     order = [backend] if backend != "auto" else ["simplejpeg", "cv2", "pil"]
     if backend == "auto" and enc != "jpeg":
         order = ["cv2", "pil"]
     if apply_exif and enc == "jpeg" and backend == "auto":
         order = ["cv2", "pil"]  # simplejpeg does not read EXIF orientation
+        if strict:
+            _simplejpeg(data, True, {"min_factor": 8})  # the lenient decoders below cannot tell damage
     for name in order:
         try:
             if name == "simplejpeg":
-                import simplejpeg
-
                 kw: dict[str, Any] = {}
                 if min_size is not None:
                     kw = {"min_height": min_size[0], "min_width": min_size[1], "min_factor": 2}
-                return simplejpeg.decode_jpeg(data, **kw)
+                return _simplejpeg(data, strict, kw)
             if name == "turbojpeg":
                 tj = _turbojpeg()
                 if tj is None:
@@ -203,9 +259,41 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
             if name == "pil":
                 return _pil_decode(data, apply_exif)
             raise ValueError(f"unknown decode backend {name!r}; use one of {available_backends()}")
+        except CorruptImageError:
+            raise
         except Exception as exc:  # try the next backend, report all if none works
             errors.append(f"{name}: {exc}")
     raise ValueError("; ".join(errors) or "cannot decode")
+
+
+def check_decode(data: bytes | memoryview) -> None:
+    """Decode the whole image, strictly; raise ValueError (``CorruptImageError`` for
+    libjpeg's warnings) when it is damaged. A JPEG is decoded at 1/8 scale: all of
+    its entropy-coded data is still read, which is where damage shows. That saves
+    little (0.8-1.0x a full decode in tools/bench_check_decode.py): the entropy
+    decoding is most of the cost."""
+    if sniff(data) == "jpeg":
+        try:
+            _simplejpeg(data, True, {"min_factor": 8})
+            return
+        except CorruptImageError:
+            raise
+        except ValueError:
+            pass  # a JPEG simplejpeg cannot read (e.g. 12-bit): the full decoders below
+    decode(data, strict=True)
+
+
+def output_problem(spec: "ResizeSpec", h: int, w: int, encoding: str, max_pixels: int | None = None) -> str | None:
+    """Why resizing an h x w image by ``spec`` and encoding it as ``encoding`` would
+    blow up (checked before any pixel is allocated), or None."""
+    limit = limits.MAX_PIXELS if max_pixels is None else max_pixels
+    th, tw = spec.target(h, w)
+    if th * tw > limit:
+        return f"resize target {tw}x{th} is over packio's limit of {limit} pixels"
+    oh, ow = spec.crop or (th, tw)
+    if encoding == "jpeg" and max(oh, ow) > limits.MAX_JPEG_SIDE:
+        return f"output {ow}x{oh} is over JPEG's limit of {limits.MAX_JPEG_SIDE} pixels a side"
+    return None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["PackioError", "SourceError", "OutputExistsError", "OutputBusyError", "FormatError", "DatasetReplacedError",
-           "CorruptSampleError"]
+           "CorruptSampleError", "StateError"]
 
 
 class PackioError(Exception):
@@ -41,3 +41,7 @@ class CorruptSampleError(PackioError):
 
     def __reduce__(self) -> tuple:
         return (CorruptSampleError, (str(self),))
+
+
+class StateError(PackioError, ValueError):
+    """A resume state that cannot continue this dataset or sampler exactly."""

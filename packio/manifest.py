@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packio import limits
 from packio.errors import FormatError
 
 __all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "file_digest", "describe_files", "disk_bytes",
@@ -49,10 +50,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "Manifest":
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise FormatError(f"{where}: manifest is not valid JSON ({exc})") from None
+        raw = limits.loads_json(text, f"{where}: manifest", limits.MAX_MANIFEST_BYTES)
         if not isinstance(raw, dict):
             raise FormatError(f"{where}: manifest is not a JSON object")
         if raw.get("version") != LAYOUT_VERSION:
@@ -64,7 +62,7 @@ class Manifest:
         for name, typ in types.items():
             if name in raw and not isinstance(raw[name], typ):
                 raise FormatError(f"{where}: manifest field {name!r} should be {typ.__name__}")
-        if "format" not in raw or "count" not in raw or raw["count"] < 0:
+        if "format" not in raw or "count" not in raw or isinstance(raw["count"], bool) or raw["count"] < 0:
             raise FormatError(f"{where}: manifest lacks 'format' or a valid 'count'")
         if not all(isinstance(c, str) for c in raw.get("classes", [])):
             raise FormatError(f"{where}: manifest 'classes' must be strings")

@@ -1,16 +1,41 @@
-"""Sample order: seeded epoch shuffles, rank / worker splits, resume offsets.
+"""Sample order: seeded epoch shuffles, the rank / worker split, resume positions.
 
-Everything here is a pure function of (length, seed, epoch, rank, world size), so
-every process computes the same global order without talking to the others.
+Everything here is a pure function of (length, seed, epoch, world size, ...), so
+every process computes the same order without talking to the others.
+
+The global order of an epoch never depends on the world size. A position in it
+("consumed": how many of its samples every rank together has taken) therefore
+means the same thing on any number of ranks: a job stopped after ``consumed``
+samples deals the rest of the epoch, ``order[consumed:]``, to however many ranks
+it resumes on (MosaicML calls this elastic determinism).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["epoch_order", "rank_slice", "worker_slice", "dist_info"]
+__all__ = ["epoch_order", "rank_slice", "rank_lengths", "worker_slice", "Split", "dist_info", "make_state",
+           "read_state", "check_int", "check_even"]
+
+EVEN = (None, "pad", "drop")
+
+
+def check_int(name: str, value: Any, low: int | None = None) -> int:
+    """``value`` as an int (bools refused), at least ``low``; a clear error otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, not {value}")
+    return int(value)
+
+
+def check_even(even: Any) -> str | None:
+    if even not in EVEN:
+        raise ValueError(f"even must be None, 'pad' or 'drop', not {even!r}")
+    return even
 
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int,
@@ -22,6 +47,7 @@ def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int,
     permuted, then grouped ``window`` at a time and shuffled within each group, so
     reads stay local while the order still changes every epoch.
     """
+    window = check_int("window", window, 1)
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     rng = np.random.default_rng([seed, epoch])
@@ -29,53 +55,154 @@ def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int,
         return rng.permutation(n).astype(np.int64)
     perm = rng.permutation(len(units))
     out = []
-    for g in range(0, len(perm), max(1, window)):
+    for g in range(0, len(perm), window):
         idx = np.concatenate([np.arange(units[u].start, units[u].stop, dtype=np.int64)
                               for u in perm[g:g + window]] or [np.zeros(0, np.int64)])
         out.append(idx[rng.permutation(len(idx))])
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def rank_slice(order: np.ndarray, rank: int, world: int, even: str | None = None) -> np.ndarray:
+def rank_lengths(m: int, world: int, even: str | None) -> list[int]:
+    """How many of ``m`` remaining samples each rank gets (see :func:`rank_slice`)."""
+    if even == "pad":
+        return [-(-m // world)] * world
+    if even == "drop":
+        return [m // world] * world
+    return [m // world + (r < m % world) for r in range(world)]
+
+
+def rank_slice(order: np.ndarray, rank: int, world: int, even: str | None = "pad") -> np.ndarray:
     """This rank's share, interleaved (rank r takes positions r, r+world, ...).
 
-    ``even="pad"`` repeats samples from the start so every rank gets the same count;
-    ``even="drop"`` drops the tail instead; ``None`` keeps every sample exactly once.
+    ``even="pad"`` repeats the first samples of ``order`` at its end so every rank
+    gets the same count (as torch's DistributedSampler does); ``"drop"`` leaves the
+    last ``len(order) % world`` out; ``None`` keeps every sample exactly once, and
+    ranks may then differ by one sample.
     """
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not within a world of size {world}")
-    if even not in (None, "pad", "drop"):
-        raise ValueError(f"even must be None, 'pad' or 'drop', not {even!r}")
+    check_even(even)
     n = len(order)
     if even == "drop":
         order = order[: n - n % world]
-    elif even == "pad" and n % world and n:
-        extra = world - n % world
-        order = np.concatenate([order, np.resize(order, extra)])
+    elif even == "pad" and n % world:
+        order = np.concatenate([order, np.resize(order, world - n % world)])
     return order[rank::world]
 
 
 def worker_slice(seq: np.ndarray, worker: int, num_workers: int, chunk: int) -> np.ndarray:
     """Worker ``w`` takes chunks ``w, w+num_workers, ...`` of ``chunk`` samples.
 
-    With ``chunk`` equal to the DataLoader's batch size, the in-order DataLoader
-    yields the rank's sequence unchanged, whatever ``num_workers`` is: that is what
-    makes a resume offset (samples consumed) valid across worker counts.
+    With ``chunk`` equal to the DataLoader's batch size, each batch is one chunk and
+    the in-order DataLoader yields the rank's sequence unchanged, whatever
+    ``num_workers`` is: batch ``k`` covers positions ``[k*chunk, (k+1)*chunk)``.
     """
     chunk = max(1, chunk)
     pos = np.arange(len(seq))
     return seq[(pos // chunk) % num_workers == worker]
 
 
+@dataclass(frozen=True)
+class Split:
+    """The rest of one epoch, dealt to the ranks: ``order[start:]`` interleaved."""
+
+    order: np.ndarray  # the epoch's global order
+    start: int  # global samples already consumed
+    rank: int
+    world: int
+    even: str | None
+
+    @property
+    def remaining(self) -> int:
+        return max(0, len(self.order) - self.start)
+
+    def lengths(self) -> list[int]:
+        return rank_lengths(self.remaining, self.world, self.even)
+
+    def sequence(self) -> np.ndarray:
+        """This rank's sample indices, in order."""
+        return rank_slice(self.order[self.start:], self.rank, self.world, self.even)
+
+    def consumed(self, taken: int) -> int:
+        """Global position after every rank has taken ``taken`` of its sequence (the
+        ranks of a DDP job step together): padding counts for nothing, and a rank at
+        the end of its sequence means the epoch is complete (samples ``"drop"`` left
+        out included)."""
+        lengths = self.lengths()
+        if taken >= lengths[self.rank]:
+            return len(self.order)
+        return self.start + min(self.remaining, sum(min(taken, n) for n in lengths))
+
+
 def dist_info(rank: int | None = None, world: int | None = None) -> tuple[int, int]:
-    """(rank, world size): given explicitly, or from torch.distributed when initialised."""
-    if rank is not None and world is not None:
-        return rank, world
+    """(rank, world size): given explicitly, else from torch.distributed when it is
+    initialised, else (0, 1). Call it where the dataset or sampler is built (the
+    training process), never in a DataLoader worker: there torch.distributed is not
+    initialised, whatever the start method."""
+    if rank is None or world is None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                rank = dist.get_rank() if rank is None else rank
+                world = dist.get_world_size() if world is None else world
+        except ImportError:
+            pass
+    rank = check_int("rank", 0 if rank is None else rank, 0)
+    world = check_int("world_size", 1 if world is None else world, 1)
+    if rank >= world:
+        raise ValueError(f"rank {rank} is not within a world of size {world}")
+    return rank, world
+
+
+def dist_world() -> int | None:
+    """torch.distributed's world size when initialised (a check, not a source of truth)."""
     try:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
+            return dist.get_world_size()
     except ImportError:
         pass
-    return (rank or 0), (world or 1)
+    return None
+
+
+STATE_VERSION = 1
+
+
+def make_state(kind: str, *, epoch: int, consumed: int, length: int, seed: int, shuffle: bool, world: int,
+               even: str | None, window: int | None = None) -> dict[str, Any]:
+    """A JSON-safe resume state: the global position in one epoch, and what fixes the order."""
+    return {"packio_state": STATE_VERSION, "kind": kind, "epoch": int(epoch), "consumed": int(consumed),
+            "length": int(length), "seed": int(seed), "shuffle": bool(shuffle), "window": window,
+            "world_size": int(world), "even": even}
+
+
+def read_state(state: Any, kind: str, *, length: int, seed: int, shuffle: bool,
+               window: int | None = None) -> tuple[int, int]:
+    """(epoch, consumed) of a state made by :func:`make_state` for the same order.
+
+    The world size and ``even`` may differ (the position is global); anything that
+    changes the order itself is refused with a :class:`StateError` saying why."""
+    from packio.errors import StateError
+
+    if not isinstance(state, dict) or state.get("packio_state") != STATE_VERSION:
+        raise StateError("not a packio resume state (or one from an older packio that did not record the "
+                         "global position): it cannot resume exactly; start the epoch again with set_epoch()")
+    if state.get("kind") != kind:
+        raise StateError(f"this state was saved by a packio {state.get('kind')} but is loaded into a {kind}: "
+                         f"they order samples differently; load it into the same kind of object")
+    want = {"length": length, "seed": seed, "shuffle": shuffle}
+    if kind == "iterable" and shuffle:
+        want["window"] = window
+    for name, value in want.items():
+        if state.get(name) != value:
+            raise StateError(f"this state was saved with {name}={state.get(name)!r}, but this {kind} has "
+                             f"{name}={value!r}: the order would differ; use the same {name}")
+    epoch, consumed = state.get("epoch"), state.get("consumed")
+    for name, v in (("epoch", epoch), ("consumed", consumed)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise StateError(f"state field {name!r} must be a non-negative int, not {v!r}")
+    if consumed > length:
+        raise StateError(f"state says {consumed} samples consumed, but the epoch has only {length}")
+    return epoch, consumed

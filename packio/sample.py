@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from packio import limits
 from packio.errors import CorruptSampleError
 
-__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "Sample", "sample_from_record"]
+__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "Sample", "sample_from_record", "unstorable"]
 
 ENCODINGS = ("jpeg", "png", "bmp", "webp", "raw")
 EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "webp": "webp", "raw": "npy"}
@@ -79,6 +80,14 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_coord(v: Any) -> bool:
+    """A number a float32 box can hold: finite, not overflowing to inf."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= _F32_MAX
+
+
 def sample_from_record(rec: Any, payload: bytes | np.ndarray) -> Sample:
     """Validate a stored record (from an untrusted file) and build the Sample."""
     if not isinstance(rec, dict):
@@ -92,19 +101,24 @@ def sample_from_record(rec: Any, payload: bytes | np.ndarray) -> Sample:
     for name in ("label", "width", "height"):
         if not _is_int(rec.get(name)):
             raise _fail(rec, f"{name!r} is not an integer")
+    if not -1 <= rec["label"] <= limits.INT64_MAX:
+        raise _fail(rec, f"label {rec['label']} is neither -1 (none) nor a class index in int64")
+    w, h = rec["width"], rec["height"]
+    if not (0 <= w < 1 << 31 and 0 <= h < 1 << 31):
+        raise _fail(rec, f"size {w}x{h} is negative or out of range")
     boxes = rec.get("boxes")
     box_labels = rec.get("box_labels")
     if not isinstance(boxes, list) or not isinstance(box_labels, list):
         raise _fail(rec, "'boxes' / 'box_labels' are not lists")
     if len(boxes) != len(box_labels):
         raise _fail(rec, f"{len(boxes)} boxes but {len(box_labels)} box labels")
+    if len(boxes) > limits.MAX_BOXES:
+        raise _fail(rec, f"{len(boxes)} boxes, over packio's limit of {limits.MAX_BOXES}")
     for b in boxes:
-        if (not isinstance(b, list) or len(b) != 4
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                           and math.isfinite(v) for v in b)):
-            raise _fail(rec, f"box {b!r} is not four finite numbers")
-    if not all(_is_int(v) for v in box_labels):
-        raise _fail(rec, "'box_labels' holds a non-integer")
+        if not isinstance(b, list) or len(b) != 4 or not all(_is_coord(v) for v in b):
+            raise _fail(rec, f"box {b!r} is not four finite float32 numbers")
+    if not all(_is_int(v) and -1 <= v <= limits.INT64_MAX for v in box_labels):
+        raise _fail(rec, "'box_labels' holds something other than -1 or an int64 class index")
     meta = rec.get("meta", {})
     if not isinstance(meta, dict):
         raise _fail(rec, "'meta' is not a map")
@@ -123,3 +137,27 @@ def sample_from_record(rec: Any, payload: bytes | np.ndarray) -> Sample:
         meta=meta,
         checksum=digest,
     )
+
+
+def unstorable(sample: Sample) -> tuple[str, str] | None:
+    """(reason, detail) when a sample would pack but not read back (the readers would
+    refuse it), else None. The converter skips and counts such samples by reason."""
+    if len(sample.boxes) > limits.MAX_BOXES:
+        return "too many boxes", f"{len(sample.boxes)}, packio's limit is {limits.MAX_BOXES}"
+    size = sample.payload.nbytes if isinstance(sample.payload, np.ndarray) else len(sample.payload)
+    if size > limits.MAX_PAYLOAD_BYTES:
+        return "image data too large", f"{size} bytes, packio's limit is {limits.MAX_PAYLOAD_BYTES}"
+    try:
+        rec = sample.record()
+        sample_from_record(rec, sample.payload)
+    except (CorruptSampleError, OverflowError, ValueError) as exc:
+        return "annotations out of range", str(getattr(exc, "reason", exc)).removeprefix("bad record: ")
+    import json
+
+    import msgpack
+
+    # Both codecs: tar keeps records as JSON, and a dataset should convert to every format.
+    size = max(len(msgpack.packb(rec, use_bin_type=True)), len(json.dumps(rec, separators=(",", ":")).encode()))
+    if size > limits.MAX_RECORD_BYTES:
+        return "record too large", f"{size} bytes, packio's limit is {limits.MAX_RECORD_BYTES}"
+    return None

@@ -27,7 +27,7 @@ import numpy as np
 from packio import geometry as geo
 from packio.errors import SourceError
 
-__all__ = ["SourceItem", "Scan", "parse_columns", "boxes_to_stored_frame", "scan_source"]
+__all__ = ["SourceItem", "Scan", "parse_columns", "boxes_to_stored_frame", "read_image_file", "scan_source"]
 
 FIELDS = ("filename", "class", "xmin", "ymin", "xmax", "ymax", "label", "width", "height")
 BOX_FIELDS = ("xmin", "ymin", "xmax", "ymax")
@@ -107,6 +107,8 @@ def _walk(root: Path, scan: Scan, exclude: set[str], follow_symlinks: bool = Fal
             with os.scandir(folder) as it:
                 entries = sorted((e.name, e.is_symlink(), _is_dir(e)) for e in it)
         except OSError as exc:
+            if folder == str(root):
+                raise SourceError(f"{root}: cannot list the folder ({exc.strerror})") from None
             scan.skip("unreadable folder", folder, exc.strerror or "")
             continue
         above = above | {(st.st_dev, st.st_ino)}
@@ -153,6 +155,41 @@ def _walk(root: Path, scan: Scan, exclude: set[str], follow_symlinks: bool = Fal
             found.append((rel, full))
         stack.extend(reversed(subfolders))
     return found
+
+
+def read_image_file(path: str, max_bytes: int) -> tuple[bytes | None, str, str]:
+    """(data, "", "") or (None, skip reason, detail). Never blocks on a FIFO, sniffs the
+    first bytes before reading the rest (a huge file that is no image is not read), and
+    refuses a file over ``max_bytes`` before reading it (an 8 GiB sparse .jpg)."""
+    from packio.decode import sniff
+
+    try:
+        with open(path, "rb", opener=_nonblocking) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None, "not a regular file", ""
+            if st.st_size == 0:
+                return None, "empty file", ""
+            head = f.read(64)
+            enc = sniff(head)
+            if enc is None:
+                return None, "not an image", ""
+            if enc == "gif":
+                return None, "unsupported image type (gif)", ""
+            if st.st_size > max_bytes:
+                return None, "file too large", f"{st.st_size} bytes, limit {max_bytes}"
+            data = head + f.read(st.st_size + 1 - len(head))
+    except OSError as exc:
+        return None, "unreadable file", exc.strerror or str(exc)
+    if len(data) != st.st_size:
+        return None, "file changed while being read", ""
+    return data, "", ""
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    os.set_blocking(fd, True)  # blocking reads again (regular files ignore it; a FIFO is refused)
+    return fd
 
 
 def _resolve_columns(path: Path, header: list[str], columns: dict[str, str]) -> dict[str, str]:
@@ -266,7 +303,10 @@ def _frame(row: dict[str, str], cols: dict[str, str], scan: Scan, where: str) ->
 
 
 def _finite(v: float) -> bool:
-    return v == v and abs(v) != float("inf")
+    return v == v and abs(v) <= _F32_MAX  # what a float32 box holds: 1e39 would become inf
+
+
+_F32_MAX = 3.4028234663852886e38
 
 
 def _fits(frame: tuple[int, int], size: tuple[int, int]) -> bool:

@@ -11,7 +11,8 @@ __all__ = ["tune"]
 
 
 def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any]) -> float:
-    from packio.datasets import DataLoader, PackedIterableDataset
+    from packio.datasets import PackedIterableDataset
+    from packio.loading import DataLoader
 
     shuffle = not isinstance(dataset, PackedIterableDataset)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)

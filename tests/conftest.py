@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +80,27 @@ def gen_folder(tmp_path: Path) -> tuple[Path, Path]:
 
 
 TRUTH: dict[str, dict[str, tuple[str, list[list[float]], list[str]]]] = {}
+
+
+def run_child_cases(code: str, args: list[str], timeout: float) -> tuple[dict[str, dict], str | None, str]:
+    """Run ``python -c code *args``: a child that prints ``START name`` before each case
+    and ``RESULT {json}`` after it. Returns the results by name, the case last started
+    (the one that crashed or hung, when its result is missing) and a note on how the
+    child ended (return code and the tail of its stderr)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                              timeout=timeout, cwd=Path(__file__).parent)
+        out, err, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, err, rc = (exc.stdout or b"").decode(), (exc.stderr or b"").decode(), "timeout"
+    results, started = {}, None
+    for line in out.splitlines():
+        if line.startswith("START "):
+            started = line[6:]
+        elif line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            results[r["name"]] = r
+    return results, started, f"child rc={rc}; stderr tail: {err[-2000:]}"
 
 
 @pytest.fixture

@@ -1,45 +1,89 @@
-"""Run by test_distributed under torchrun (2 ranks, gloo, CPU): records what each
-rank reads, with packio's iterable reader or its sampler, and a mid-epoch resume."""
+"""Run by test_distributed under torchrun (gloo, CPU): runs the README's training
+loop (examples/resumable_training.py) once per scenario of a JSON plan, and writes
+the keys each rank trained on, per epoch and batch, to ``OUT/NAME.rankR.json``.
+
+A scenario: ``{"name", "path", "iterable", "epochs", "batch_size", "checkpoint",
+"loader_args", "dataset_args", "stop": [epoch, batches] or null}``; ``stop`` ends
+the run (as a crash would) before the step of that batch of that epoch.
+"""
+
+from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import packio
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from resumable_training import train  # noqa: E402
+
+import packio  # noqa: E402
 
 
-def indices(loader) -> list[int]:
-    return [i for b in loader for i in b["index"].tolist()]
+class Interrupted(Exception):
+    pass
+
+
+def run(sc: dict, out: Path, rank: int) -> None:
+    got: dict[int, list[list[str]]] = {}
+    stop = sc.get("stop")
+
+    def step(epoch: int, batch: dict) -> None:
+        taken = len(got.get(epoch, []))
+        if stop is not None and [epoch, taken] == stop:
+            raise Interrupted
+        got.setdefault(epoch, []).append(list(batch["key"]))
+        dist.barrier()  # ranks step together, as DDP's all-reduce makes them
+
+    loader_args = dict(sc.get("loader_args", {}))
+    ctx = loader_args.get("multiprocessing_context")
+    if ctx == "forkserver":
+        mp.set_forkserver_preload(["torch", "packio.datasets", "packio.loading"])
+    try:
+        train(sc["path"], Path(sc["checkpoint"]), sc["epochs"], step, iterable=sc["iterable"],
+              batch_size=sc["batch_size"], dataset_args=sc.get("dataset_args"), **loader_args)
+    except Interrupted:
+        pass
+    (out / f"{sc['name']}.rank{rank}.json").write_text(json.dumps(got))
+
+
+def state_check(path: str, out: Path, rank: int) -> None:
+    """The state after a few batches, on every rank (it must be the same)."""
+    for iterable in (True, False):
+        if iterable:
+            ds = packio.open_dataset(path, iterable=True, decode=False, shuffle=True)
+            loader = packio.DataLoader(ds, batch_size=4)
+        else:
+            ds = packio.open_dataset(path, decode=False)
+            loader = packio.DataLoader(ds, batch_size=4, sampler=packio.ResumableSampler(len(ds)))
+        for k, _ in enumerate(loader):
+            if k == 2:
+                break
+        states: list = [None] * dist.get_world_size()
+        dist.all_gather_object(states, loader.state_dict())
+        if rank == 0:
+            (out / f"states-{'iterable' if iterable else 'map'}.json").write_text(json.dumps(states))
 
 
 def main() -> None:
-    data, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    early = packio.ResumableSampler(10)  # built before init_process_group(): it would read everything
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    def loader(even=None, **kw):
-        if mode == "iterable":
-            ds = packio.open_dataset(data, iterable=True, decode=False, shuffle=True, seed=7, even=even)
-            return packio.DataLoader(ds, batch_size=2, num_workers=2, **kw)
-        ds = packio.open_dataset(data, decode=False)
-        sampler = packio.ResumableSampler(len(ds), seed=7, even=even)
-        return packio.DataLoader(ds, batch_size=2, sampler=sampler, num_workers=2, **kw)
-
-    rec = {"rank": rank, "world": world, "epoch": indices(loader()), "padded": indices(loader(even="pad"))}
-    first = loader()
-    before = []
-    for k, b in enumerate(first):
-        before += b["index"].tolist()
-        if k == 1:
-            state = first.state_dict()
-            break
-    dist.barrier()
-    resumed = loader()
-    resumed.load_state_dict(json.loads(json.dumps(state)))  # the state survives a JSON checkpoint
-    rec.update(before=before, after=indices(resumed), epoch_again=indices(loader()))
-    (out / f"rank{rank}.json").write_text(json.dumps(rec))
+    rank = dist.get_rank()
+    try:
+        early.set_epoch(1)
+        caught = ""
+    except packio.PackioError as exc:
+        caught = str(exc)
+    (out / f"early.rank{rank}.txt").write_text(caught)
+    for sc in plan["scenarios"]:
+        run(sc, out, rank)
+        dist.barrier()
+    if plan.get("state_check"):
+        state_check(plan["state_check"], out, rank)
     dist.barrier()
     dist.destroy_process_group()
 

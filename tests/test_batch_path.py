@@ -56,3 +56,21 @@ def test_decoded_batches_match_samples(gen_folder, tmp_path, threads, workers):
             seen.append(i)
     assert sorted(seen) == list(range(len(ds)))
     assert any(len(r["boxes"]) for r in ref.values())
+
+
+@pytest.mark.parametrize("suffix, resize", [(".arrays", None), (".h5", None), (".lmdb", (24, 32))])
+def test_one_read_batches_are_handed_on_without_a_copy(gen_folder, tmp_path, suffix, resize):
+    """A batch read in one go (raw gather, or decode+resize into one buffer) gives per-sample items
+    whose images are slots of one buffer; packio.collate hands that buffer on instead of stacking."""
+    src, csv = gen_folder
+    spec = packio.ResizeSpec(size=(24, 32)) if suffix != ".lmdb" else None
+    packio.convert(src, tmp_path / f"d{suffix}", csv=csv, resize=spec, progress=False)
+    ds = packio.open_dataset(tmp_path / f"d{suffix}", resize=resize)
+    items = ds.__getitems__([5, 2, 9, 0])
+    batch = packio.collate(items)
+    assert batch["image"].shape == (4, 3, 24, 32)
+    assert batch["image"].untyped_storage().data_ptr() == items[0]["image"].untyped_storage().data_ptr()
+    for j, i in enumerate([5, 2, 9, 0]):
+        assert torch.equal(batch["image"][j], ds[i]["image"])
+    swapped = packio.collate([items[1], items[0]])["image"]  # not slot after slot: stacked into a new tensor
+    assert swapped.data_ptr() != items[0]["image"].data_ptr() and torch.equal(swapped[1], items[0]["image"])

@@ -69,10 +69,16 @@ def jpeg_header(data: Blob) -> JpegHeader | None:
 
 
 def gpu_decodable(data: Blob) -> bool:
-    """JPEGs the GPU backends take: 8-bit Huffman baseline/progressive, gray or 3-component."""
+    """JPEGs the GPU backends take: 8-bit Huffman baseline/progressive, gray or 3-component,
+    within packio's pixel limit."""
     h = jpeg_header(data)
-    return (h is not None and h.sof in _GPU_SOF and h.precision == 8 and h.components in (1, 3)
-            and h.height > 0 and h.width > 0)
+    if h is None or h.sof not in _GPU_SOF or h.precision != 8 or h.components not in (1, 3):
+        return False
+    try:  # a decompression bomb would allocate on the GPU; the CPU path refuses it clearly
+        cpu.check_pixels(h.width, h.height)
+    except ValueError:
+        return False
+    return h.height > 0 and h.width > 0
 
 
 def _as_blob(x: Blob | torch.Tensor) -> Blob:

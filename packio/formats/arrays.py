@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from packio import limits
 from packio.errors import FormatError
 from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, inside
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
@@ -76,7 +77,14 @@ class ArrayWriter(Writer):
 
 
 class ArrayReader(Reader):
+    """Reads ``images.npy`` (and ``keys.npy``) through memory maps: a page past the end
+    of a truncated file would kill the process with SIGBUS, so every read first checks
+    (one ``fstat`` each) that the files still hold what their headers claim. Residual
+    risk: a truncation between that check and the copy; and :meth:`images` hands out
+    the map itself."""
+
     cheap_gather = True
+    COUNT_FILE = RecordFile.IDX
 
     @classmethod
     def describe(cls, path: Path, manifest: Manifest) -> list[str]:
@@ -87,13 +95,14 @@ class ArrayReader(Reader):
                 f" (numpy.load(..., mmap_mode='r'))"]
 
     def _open(self) -> None:
-        try:
-            images = np.load(inside(self.path, "images.npy"), mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise FormatError(f"{self.path}: cannot map images.npy ({exc}); re-pack the dataset") from None
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != self.manifest.count:
-            raise FormatError(f"{self.path}: images.npy is {images.dtype}{list(images.shape)}, but the manifest "
-                              f"says {self.manifest.count} uint8 images; the dataset is damaged")
+        n, shape = self.manifest.count, (self.manifest.image or {}).get("shape")
+        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)
+                and shape[2] == 3 and shape[0] * shape[1] <= limits.MAX_PIXELS):
+            raise FormatError(f"{self.path}: the manifest's image shape {shape!r} is not a valid [H, W, 3] within "
+                              f"packio's pixel limit; the dataset is damaged")
+        images = limits.load_npy(inside(self.path, "images.npy"), "|u1", (n, *shape), mmap=True)
+        self._h_guard = limits.MapGuard()
+        self._h_guard.add(inside(self.path, "images.npy"), images.offset + images.nbytes if n else 0)
         self._h_images = images
         self._h_flat = np.asarray(images)
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
@@ -103,18 +112,21 @@ class ArrayReader(Reader):
         """The label/box columns and the keys: loaded and checked once."""
         if self._h_meta is None:
             n = self.manifest.count
-            try:
-                arrays = {name: np.load(inside(self.path, f"{name}.npy"), allow_pickle=False) for name in NAMES}
-                keys = np.load(inside(self.path, "keys.npy"), allow_pickle=False, mmap_mode="r")
-            except (OSError, ValueError) as exc:
-                raise FormatError(f"{self.path}: cannot read the label/box arrays ({exc}); re-pack it") from None
+            shapes = {"labels": (n,), "boxes": (None, 4), "box_labels": (None,), "box_offsets": (n + 1,)}
+            dtypes = {"labels": "<i8", "boxes": "<f4", "box_labels": "<i8", "box_offsets": "<i8"}
+            # headers checked against the manifest and the files' sizes before anything is read
+            arrays = {name: limits.load_npy(inside(self.path, f"{name}.npy"), dtypes[name], shapes[name]) for name in NAMES}
+            keys = limits.load_npy(inside(self.path, "keys.npy"), "U", (n,), mmap=True)
             self._check_root()  # loaded later than the images: from the same dataset?
-            if keys.shape != (n,) or keys.dtype.kind != "U":
-                raise FormatError(f"{self.path}: keys.npy does not match the manifest's {n} samples; re-pack it")
+            if isinstance(keys, np.memmap):
+                self._h_guard.add(inside(self.path, "keys.npy"), keys.offset + keys.nbytes)
             self._h_meta = (Columns.checked(arrays, n, str(self.path)), keys)
         return self._h_meta
 
     def _drop_handles(self) -> None:
+        guard = self.__dict__.pop("_h_guard", None)
+        if guard is not None:
+            guard.close()
         for k in ("_h_images", "_h_flat", "_h_idx", "_h_blob", "_h_meta"):
             self.__dict__.pop(k, None)
 
@@ -122,11 +134,13 @@ class ArrayReader(Reader):
         i = self.check_index(i)
         self._ensure_open()
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
+        self._h_guard.check()
         return decode_stored(rec, np.array(self._h_images[i]), f"#{i}")
 
     def read_many(self, indices: list[int]) -> list[Sample]:
         self._ensure_open()
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
+        self._h_guard.check()
         block = self._h_flat[idx]  # one gather from the memory map
         return [decode_stored(RecordFile.get(self._h_idx, self._h_blob, int(i)), block[j], f"#{i}")
                 for j, i in enumerate(idx)]
@@ -135,12 +149,14 @@ class ArrayReader(Reader):
         self._ensure_open()
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
         columns, keys = self._meta()
-        return {"image": self.gather(idx), **columns.take(idx), "key": keys[idx].tolist(), "index": idx}
+        image = self.gather(idx)  # checks the maps first
+        return {"image": image, **columns.take(idx), "key": keys[idx].tolist(), "index": idx}
 
     def gather(self, idx: np.ndarray) -> np.ndarray:
         """uint8[B, H, W, 3] for these indices. From a plain ndarray view of the map:
         several times faster than np.take(out=...) on the np.memmap (tools/bench_levers.py)."""
         self._ensure_open()
+        self._h_guard.check()
         return self._h_flat[idx]
 
     def images(self) -> np.ndarray:

@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-import errno
+import functools
 import json
 import os
-import stat
+import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
 
-from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError
+from packio import limits
+from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, manifest_id
 from packio.sample import Sample, sample_from_record
 
-__all__ = ["MAX_RECORD_BYTES", "WriteOptions", "pack_record", "unpack_record", "decode_stored", "file_starts_with", "payload_bytes",
-           "MAX_BOXES", "inside", "read_inside",
-           "Writer", "Reader", "RecordFile", "FormatSpec"]
-
-MAX_BOXES = 1 << 20  # per sample: the reader's msgpack array limit; the converter skips samples with more
-
+__all__ = ["MAX_RECORD_BYTES", "NATIVE_ERRORS", "WriteOptions", "pack_record", "unpack_record", "decode_stored",
+           "file_starts_with", "payload_bytes", "inside", "contained", "Writer", "Reader", "RecordFile",
+           "RecordBlob", "FormatSpec"]
 
 def inside(root: Path, rel: str | Path) -> Path:
     """``root / rel`` with symlinks resolved; a FormatError when that lies outside
@@ -39,25 +37,15 @@ def inside(root: Path, rel: str | Path) -> Path:
     return p
 
 
-def read_inside(root: Path, rel: str, checked: set[str]) -> bytes:
-    """The bytes of the regular file ``root/rel``, never from outside ``root``. Its folder
-    is resolved once (remembered in ``checked``); the file is opened without following
-    a symlink unless the link stays inside, and without blocking on a FIFO."""
+def contained(root: Path, rel: str, checked: set[str]) -> Path:
+    """``root/rel`` for a file read per sample: its folder is resolved once (remembered in
+    ``checked``), the file itself only when it is a symlink; outside ``root``: FormatError."""
     folder = rel.rpartition("/")[0]
     if folder not in checked:
         inside(root, folder)
         checked.add(folder)
-    flags = os.O_RDONLY | os.O_NONBLOCK
-    try:
-        fd = os.open(root / rel, flags | os.O_NOFOLLOW)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        fd = os.open(inside(root, rel), flags)
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FormatError(f"{root / rel}: not a regular file; refusing to read it")
-        return f.read()
+    path = root / rel
+    return inside(root, rel) if os.path.islink(path) else path
 
 
 @dataclass(frozen=True)
@@ -74,29 +62,30 @@ class WriteOptions:
 # The one record codec. Every format stores a sample's record (packio.sample.Sample.record)
 # as msgpack, except tar shards, whose ``.json`` member is read by WebDataset and other
 # tools as is: there the same record is compact JSON, read with the same limits.
-MAX_RECORD_BYTES = 1 << 24  # a record is ~100 bytes plus its boxes; refuse more from a stranger's file
+MAX_RECORD_BYTES = limits.MAX_RECORD_BYTES  # the default; packio.limits' value is read at call time
 
 
 def pack_record(rec: dict[str, Any], *, text: bool = False) -> bytes:
-    """Encode a record: msgpack, or compact JSON with ``text=True``."""
-    if text:
-        return json.dumps(rec, separators=(",", ":")).encode()
-    return msgpack.packb(rec, use_bin_type=True)
+    """Encode a record: msgpack, or compact JSON with ``text=True``. The writer keeps the
+    readers' size limit: what packs can be read back."""
+    blob = json.dumps(rec, separators=(",", ":")).encode() if text else msgpack.packb(rec, use_bin_type=True)
+    if len(blob) > limits.MAX_RECORD_BYTES:
+        raise CorruptSampleError(str(rec.get("key")), f"record of {len(blob)} bytes exceeds packio's limit of "
+                                 f"{limits.MAX_RECORD_BYTES}")
+    return blob
 
 
 def unpack_record(data: bytes | memoryview, where: str, *, text: bool = False) -> Any:
     """Decode a record from an untrusted file: bounded size, element counts (msgpack)
     and nesting; any failure is a ``CorruptSampleError`` naming ``where``."""
-    if len(data) > MAX_RECORD_BYTES:
-        raise CorruptSampleError(where, f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+    if len(data) > limits.MAX_RECORD_BYTES:
+        raise CorruptSampleError(where, f"record of {len(data)} bytes exceeds {limits.MAX_RECORD_BYTES}")
     if text:
-        try:
-            return json.loads(bytes(data))
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise CorruptSampleError(where, f"record is not valid JSON ({exc})") from None
+        return limits.loads_json(bytes(data), "record", limits.MAX_RECORD_BYTES,
+                                 lambda m: CorruptSampleError(where, m))
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 20,
-                               max_str_len=1 << 20, max_array_len=MAX_BOXES, max_map_len=1 << 16)
+                               max_str_len=1 << 20, max_array_len=limits.MAX_BOXES, max_map_len=1 << 16)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CorruptSampleError(where, f"record is not valid msgpack ({exc})") from None
 
@@ -113,11 +102,11 @@ def decode_stored(rec: Any, payload: bytes | np.ndarray, where: str) -> Sample:
 
 
 def file_starts_with(path: str | Path, magic: bytes) -> bool:
-    """Whether ``path`` is a file beginning with ``magic`` (for ``Reader.claims``)."""
+    """Whether ``path`` is a regular file beginning with ``magic`` (for ``Reader.claims``):
+    only those bytes are read, and a FIFO is not opened for blocking."""
     try:
-        with open(path, "rb") as f:
-            return f.read(len(magic)) == magic
-    except OSError:  # a folder, a missing path, no permission: not this format's file
+        return limits.read_head(path, len(magic)) == magic
+    except PackioError:  # a folder, a FIFO, a missing path, no permission: not this format's file
         return False
 
 
@@ -149,23 +138,60 @@ class Writer(ABC):
         (self.path / MANIFEST_NAME).write_text(manifest.to_json())
 
 
+# What a damaged or hostile file makes numpy, h5py, the OS or struct raise. Not IndexError
+# or TypeError: those stay the caller's (a bad index), the readers check the file's own.
+NATIVE_ERRORS = (OSError, ValueError, KeyError, RuntimeError, MemoryError, OverflowError, EOFError, struct.error)
+
+
+def _guarded(fn: Callable[..., Any], opening: bool) -> Callable[..., Any]:
+    """Turn a native error escaping a reader method into a packio error naming the file
+    (and the sample, when there is one index)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "Reader", *args: Any) -> Any:
+        try:
+            return fn(self, *args)
+        except PackioError:
+            raise
+        except NATIVE_ERRORS as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            if opening:
+                raise FormatError(f"{self.path}: cannot open ({why}); the dataset is damaged, re-pack it") from None
+            where = f"#{args[0]}" if args and isinstance(args[0], (int, np.integer)) else "(batch)"
+            raise CorruptSampleError(where, f"{self.path}: {why}") from None
+
+    return wrapper
+
+
 class Reader(ABC):
     """Random access to stored samples. Handles open lazily, once per process, so a
-    reader can be pickled into DataLoader workers (fork or spawn)."""
+    reader can be pickled into DataLoader workers (fork or spawn).
+
+    Every subclass's ``_open`` / ``read`` / ``read_many`` / ``read_batch`` is wrapped so
+    that native errors become packio errors (see ``_guarded``)."""
+
+    COUNT_FILE: str | None = None  # file (relative; "" = the path itself) whose size bounds the count
+    MIN_SAMPLE_BYTES = 8  # bytes every sample takes in COUNT_FILE at the least
 
     def __init__(self, path: Path, manifest: Manifest) -> None:
         self.path = path
         self.manifest = manifest
         self._pid: int | None = None
+        if self.COUNT_FILE is not None:  # before anything is sized by the count (units, samplers)
+            limits.check_count(manifest.count, path / self.COUNT_FILE if self.COUNT_FILE else path,
+                               self.MIN_SAMPLE_BYTES)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        for name in ("_open", "read", "read_many", "read_batch"):
+            if name in cls.__dict__:
+                setattr(cls, name, _guarded(cls.__dict__[name], name == "_open"))
 
     @classmethod
     def read_manifest(cls, path: Path) -> Manifest:
         mpath = path / MANIFEST_NAME
-        try:
-            text = inside(path, MANIFEST_NAME).read_bytes()
-        except OSError as exc:
-            raise FormatError(f"{path}: cannot read {MANIFEST_NAME} ({exc.strerror}); "
-                              f"is this a dataset packed by packio?") from None
+        text = limits.read_regular(inside(path, MANIFEST_NAME), limits.MAX_MANIFEST_BYTES, lambda m: FormatError(
+            f"{m}; is this a dataset packed by packio?"))
         return Manifest.from_json(text, str(mpath))
 
     @classmethod
@@ -303,24 +329,50 @@ class RecordFile:
         np.save(self.root / self.IDX, np.asarray(self._offsets, np.int64), allow_pickle=False)
 
     @classmethod
-    def load(cls, root: Path, count: int) -> tuple[np.ndarray, np.ndarray]:
-        try:
-            idx = np.load(inside(root, cls.IDX), allow_pickle=False, mmap_mode="r")
-            bin_path = inside(root, cls.BIN)
-            blob = np.memmap(bin_path, np.uint8, "r") if bin_path.stat().st_size else np.zeros(0, np.uint8)
-        except (OSError, ValueError) as exc:
-            raise FormatError(f"{root}: cannot read the record files ({exc})") from None
-        if idx.shape != (count + 1,) or idx.dtype != np.int64 or (count and idx[-1] > len(blob)):
-            raise FormatError(f"{root}: record index does not match the manifest's {count} samples; "
+    def load(cls, root: Path, count: int) -> tuple[np.ndarray, "RecordBlob"]:
+        """The offsets (in memory, checked whole) and the blob (read with pread: a map of
+        it would kill the process with SIGBUS if the file were truncated while open)."""
+        idx = limits.load_npy(inside(root, cls.IDX), "<i8", (count + 1,))
+        blob = RecordBlob(inside(root, cls.BIN))
+        if count and (idx[0] != 0 or idx[-1] > blob.size or bool(np.any(np.diff(idx) < 0))):
+            blob.close()
+            raise FormatError(f"{root}: record index does not fit {cls.BIN} ({blob.size} bytes); "
                               f"re-pack the dataset or run 'packio verify'")
         return idx, blob
 
     @staticmethod
-    def get(idx: np.ndarray, blob: np.ndarray, i: int) -> Any:
+    def get(idx: np.ndarray, blob: "RecordBlob", i: int) -> Any:
         a, b = int(idx[i]), int(idx[i + 1])
-        if not 0 <= a <= b <= len(blob):
-            raise CorruptSampleError(f"#{i}", "record offsets out of range")
-        return unpack_record(blob[a:b].tobytes(), f"#{i}")
+        return unpack_record(blob.read(a, b, f"#{i}"), f"#{i}")
+
+
+class RecordBlob:
+    """``records.bin`` read by ``pread`` (a descriptor per process; readers drop it on fork)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.fd = path, -1
+        self.fd = limits.open_regular(path)
+        self.size = os.fstat(self.fd).st_size
+
+    def read(self, a: int, b: int, where: str) -> bytes:
+        limits.check_span(a, b - a, self.size, f"{self.path} ({where})", lambda m: CorruptSampleError(where, m))
+        if b - a > limits.MAX_RECORD_BYTES:
+            raise CorruptSampleError(where, f"record of {b - a} bytes is over packio's limit")
+        data = os.pread(self.fd, b - a, a)
+        if len(data) != b - a:
+            raise CorruptSampleError(where, f"{self.path} is truncated")
+        return data
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
 
 
 @dataclass(frozen=True)

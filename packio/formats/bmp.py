@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes,
-                                 read_inside)
+from packio import limits
+from packio.errors import CorruptSampleError
+from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, contained, decode_stored,
+                                 payload_bytes)
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -47,6 +48,8 @@ class BMPWriter(Writer):
 
 
 class BMPReader(Reader):
+    COUNT_FILE = RecordFile.IDX
+
     @classmethod
     def describe(cls, path: Path, manifest: Manifest) -> list[str]:
         if "parts" in manifest.extra:
@@ -66,14 +69,16 @@ class BMPReader(Reader):
         i = self.check_index(i)
         self._ensure_open()
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
+        key = str(rec.get("key", f"#{i}")) if isinstance(rec, dict) else f"#{i}"
+        path = contained(self.path, _rel(i), self._h_dirs)
+        if not path.exists():
+            self._check_root()  # gone because the dataset was replaced?
+            raise CorruptSampleError(key, f"{_rel(i)} is missing")
+        # A FIFO in its place is refused without blocking; a huge file before it is read.
         try:
-            payload = read_inside(self.path, _rel(i), self._h_dirs)
-        except FileNotFoundError:
-            self._check_root()
-            raise CorruptSampleError(str(rec.get("key", f"#{i}")), f"{_rel(i)} is missing") from None
-        except OSError as exc:
-            raise FormatError(f"{self.path / _rel(i)}: cannot read ({exc.strerror})") from None
-        self._check_root()  # the image came from the dataset the records were read from
+            payload = limits.read_regular(path, limits.MAX_PAYLOAD_BYTES, lambda m: CorruptSampleError(key, m))
+        finally:
+            self._check_root()  # the image came from the dataset the records were read from
         return decode_stored(rec, payload, f"#{i}")
 
 

@@ -11,16 +11,20 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
+from packio import limits
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, file_starts_with,
                                  pack_record, payload_bytes, unpack_record)
-from packio.formats.columns import NAMES, ColumnBuffer, Columns
+from packio.formats.columns import ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -58,11 +62,17 @@ def array_digest(d: h5py.Dataset, block: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def _append(f: h5py.File, name: str, data: np.ndarray, chunks: tuple[int, ...]) -> None:
-    if name not in f:
-        f.create_dataset(name, shape=(0, *data.shape[1:]), maxshape=(None, *data.shape[1:]),
-                         dtype=data.dtype, chunks=chunks)
-    d = f[name]
+def _append(f: h5py.File, open_sets: dict[str, h5py.Dataset], name: str, data: np.ndarray,
+            chunks: tuple[int, ...]) -> None:
+    """Append rows to dataset ``name``, kept open in ``open_sets`` for the writer's life:
+    releasing a dataset flushes its chunk cache, and a write failing there (a full disk)
+    is swallowed by h5py and leaves HDF5 in a state that segfaults later."""
+    if name not in open_sets:
+        if name not in f:
+            f.create_dataset(name, shape=(0, *data.shape[1:]), maxshape=(None, *data.shape[1:]),
+                             dtype=data.dtype, chunks=chunks)
+        open_sets[name] = f[name]
+    d = open_sets[name]
     n = d.shape[0]
     d.resize(n + len(data), axis=0)
     d[n:] = data
@@ -72,6 +82,7 @@ class HDF5Writer(Writer):
     def __init__(self, path: Path, options: WriteOptions) -> None:
         super().__init__(path, options)
         self._f = h5py.File(path, "w", libver="latest")
+        self._ds: dict[str, h5py.Dataset] = {}
         self._buf: list[Sample] = []
         self._offset = 0
         self._columns = ColumnBuffer()
@@ -90,47 +101,128 @@ class HDF5Writer(Writer):
     def _flush(self) -> None:
         if not self._buf:
             return
-        f, buf = self._f, self._buf
+        try:
+            self._write(self._f, self._buf)
+            self._f.flush()  # a full disk shows here, as an exception, not in a later release
+        except BaseException as exc:
+            _sink(self._f)  # before the exception releases the dataset ids it holds (see _sink)
+            raise _write_error(exc) from None
+        self._buf = []
+
+    def _write(self, f: h5py.File, buf: list[Sample]) -> None:
         fixed = self.options.fixed_shape
         if fixed is not None:
-            _append(f, "images", np.stack([s.payload for s in buf]), (1, *fixed, 3))
+            _append(f, self._ds, "images", np.stack([s.payload for s in buf]), (1, *fixed, 3))
         else:
             blobs = [payload_bytes(s) for s in buf]
-            _append(f, "images_bytes", np.frombuffer(b"".join(blobs), np.uint8), (1 << 16,))
+            _append(f, self._ds, "images_bytes", np.frombuffer(b"".join(blobs), np.uint8), (1 << 16,))
             ends = self._offset + np.cumsum([len(b) for b in blobs])
             self._offset = int(ends[-1])
-            _append(f, "offsets", ends.astype(np.int64), (4096,))
+            _append(f, self._ds, "offsets", ends.astype(np.int64), (4096,))
         for name, column in self._columns.drain().items():
-            _append(f, name, column, (4096, *column.shape[1:]))
+            _append(f, self._ds, name, column, (4096, *column.shape[1:]))
         recs = [pack_record(s.record()) for s in buf]
-        _append(f, "records", np.frombuffer(b"".join(recs), np.uint8), (1 << 16,))
+        _append(f, self._ds, "records", np.frombuffer(b"".join(recs), np.uint8), (1 << 16,))
         ends = self._rec_offset + np.cumsum([len(r) for r in recs])
         self._rec_offset = int(ends[-1])
-        _append(f, "record_offsets", ends.astype(np.int64), (4096,))
-        self._buf = []
+        _append(f, self._ds, "record_offsets", ends.astype(np.int64), (4096,))
 
     def close(self) -> dict[str, Any]:
         self._flush()
         digests = {n: array_digest(self._f[n]) for n in HASHED if n in self._f}
-        self._f.close()
+        _close(self._f)
         return {"layout": "see packio/formats/hdf5.py: images_bytes+offsets or images[N,H,W,3]; labels; "
                           "boxes+box_labels+box_offsets; records+record_offsets (msgpack)",
                 "fixed_shape": list(self.options.fixed_shape) if self.options.fixed_shape else None,
                 "digests": digests}
 
     def abort(self) -> None:
-        try:
-            self._f.close()
-        except Exception:
-            pass
+        _discard(self._f)
 
     def write_manifest(self, manifest: Manifest) -> None:
         manifest.files = {}  # one file: its own checksum cannot live inside it; samples carry theirs
-        with h5py.File(self.path, "r+") as f:
+        f = h5py.File(self.path, "r+")
+        try:
             f.attrs[ATTR] = manifest.to_json()
+        except BaseException as exc:
+            _discard(f)
+            raise _write_error(exc) from None
+        _close(f)
+
+
+def _close(f: h5py.File) -> None:
+    """Close a file being written. Everything is flushed first, where a failure (a full
+    disk) can still be handled: a failed close cannot (see ``_sink``)."""
+    try:
+        f.flush()
+    except BaseException as exc:
+        _discard(f)
+        raise _write_error(exc) from None
+    f.close()
+
+
+def _write_error(exc: BaseException) -> BaseException:
+    """h5py reports a failed write as OSError or RuntimeError, with HDF5's whole error
+    stack as the message: an OSError with the errno and its short text instead."""
+    if not isinstance(exc, (OSError, RuntimeError)):
+        return exc
+    found = re.search(r"errno = (\d+)", str(exc))
+    code = int(found.group(1)) if found else getattr(exc, "errno", None) or errno.EIO
+    return OSError(code, f"HDF5 write failed: {os.strerror(code)}")
+
+
+def _discard(f: h5py.File) -> None:
+    """Close a file whose content is thrown away, without writing anything to disk."""
+    _sink(f)
+    try:
+        f.close()
+    except Exception:
+        pass
+
+
+def _sink(f: h5py.File) -> None:
+    """Point the file's descriptor at /dev/null, where every later write succeeds.
+
+    After a failed write (ENOSPC, EFBIG), HDF5 holds dirty data it cannot flush; each
+    release of an object id then tries again and fails, which leaves the library in a
+    state that segfaults on close or at interpreter exit. Called as soon as a write
+    fails, before any id is released; the caller deletes the file."""
+    try:
+        if f.id.valid:
+            sink = os.open(os.devnull, os.O_RDWR)
+            os.dup2(sink, f.id.get_vfd_handle())
+            os.close(sink)
+    except Exception:  # not the sec2 driver, or no descriptor: nothing to redirect
+        pass
+
+
+def _array(f: h5py.File, name: str, dtype: str, shape: tuple[int | None, ...], size: int) -> h5py.Dataset:
+    """Dataset ``name``, its declared dtype and shape checked (``None`` = any length) and
+    its declared bytes bounded by the file's size, before anything of it is read: the
+    shape is the file's claim, and reading ``[:]`` allocates what it claims."""
+    d = f.get(name)
+    if not isinstance(d, h5py.Dataset):
+        raise FormatError(f"{f.filename}: HDF5 dataset {name!r} is missing; the file is damaged, re-pack it")
+    if (d.dtype != np.dtype(dtype) or len(d.shape) != len(shape)
+            or any(w is not None and w != g for w, g in zip(shape, d.shape)) or d.nbytes > size):
+        raise FormatError(f"{f.filename}: HDF5 dataset {name!r} is {d.dtype}{list(d.shape)} ({d.nbytes} bytes); "
+                          f"expected {dtype}{['N' if w is None else w for w in shape]} within the file's "
+                          f"{size} bytes: the file is damaged, re-pack it")
+    return d
+
+
+def _offsets(f: h5py.File, name: str, n: int, size: int, end: int) -> np.ndarray:
+    """``name``'s n+1 offsets, rising from 0 and ending within ``end`` bytes."""
+    off = _array(f, name, "<i8", (n + 1,), size)[:]
+    if off[0] != 0 or off[-1] > end or bool(np.any(np.diff(off) < 0)):
+        raise FormatError(f"{f.filename}: HDF5 dataset {name!r} holds offsets that do not rise from 0 "
+                          f"within {end} bytes; the file is damaged, re-pack it")
+    return off
 
 
 class HDF5Reader(Reader):
+    COUNT_FILE = ""  # the file itself: 8 bytes of record offsets per sample at the least
+
     @classmethod
     def claims(cls, path: str) -> bool:
         return file_starts_with(path, SIGNATURE)
@@ -146,36 +238,47 @@ class HDF5Reader(Reader):
 
     @classmethod
     def read_manifest(cls, path: Path) -> Manifest:
+        limits.file_size(path)  # a FIFO would block h5py's open
         try:
             with h5py.File(path, "r") as f:
-                text = f.attrs.get(ATTR)
-        except OSError as exc:
+                if ATTR not in f.attrs:
+                    raise FormatError(f"{path}: an HDF5 file without packio's '{ATTR}' attribute; pack it with packio")
+                stored = f.attrs.get_id(ATTR).get_storage_size()
+                if stored > limits.MAX_MANIFEST_BYTES:
+                    raise FormatError(f"{path}: manifest attribute of {stored} bytes, over packio's limit")
+                text = f.attrs[ATTR]
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:
             raise FormatError(f"{path}: cannot open as HDF5 ({exc})") from None
-        if text is None:
-            raise FormatError(f"{path}: an HDF5 file without packio's '{ATTR}' attribute; pack it with packio")
+        if not isinstance(text, (str, bytes)):
+            raise FormatError(f"{path}: the '{ATTR}' attribute is not text; the file is damaged")
         return Manifest.from_json(text, str(path))
 
     def _open(self) -> None:
+        size = limits.file_size(self.path)  # a FIFO would block h5py's open
         try:
             f = h5py.File(self.path, "r")
         except OSError as exc:
             raise FormatError(f"{self.path}: cannot open as HDF5 ({exc})") from None
-        self._h_f = f
+        self._h_f, self._h_size = f, size
         n = self.manifest.count
         for name in ARRAYS:
             _contained(f, name, self.path)
-        try:
-            self._h_recoff = f["record_offsets"][:]
-            self._h_records = f["records"] if n else None
-            self._h_fixed = "images" in f
-            self._h_images = f["images"] if self._h_fixed else (f["images_bytes"] if n else None)
-            self._h_off = None if self._h_fixed else f["offsets"][:]
-        except KeyError as exc:
-            raise FormatError(f"{self.path}: HDF5 dataset {exc} is missing; the file is damaged") from None
-        count = len(self._h_images) if self._h_fixed else len(self._h_off) - 1
-        if len(self._h_recoff) != n + 1 or count != n:
-            raise FormatError(f"{self.path}: holds {count} images / {len(self._h_recoff) - 1} records but "
-                              f"the manifest says {n}; the file is damaged, re-pack it")
+        self._h_fixed = n > 0 and "images" in f
+        self._h_records = _array(f, "records", "|u1", (None,), size) if n else None
+        self._h_recoff = _offsets(f, "record_offsets", n, size, len(self._h_records) if n else 0)
+        if not n:  # nothing was written but the first offsets
+            self._h_images = self._h_off = None
+        elif self._h_fixed:
+            shape = tuple((self.manifest.image or {}).get("shape") or ())
+            if not (len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape) and shape[2] == 3
+                    and shape[0] * shape[1] <= limits.MAX_PIXELS):
+                raise FormatError(f"{self.path}: the manifest's image shape {list(shape)} is not a valid "
+                                  f"[H, W, 3] within packio's pixel limit; the file is damaged")
+            self._h_images = _array(f, "images", "|u1", (n, *shape), size)
+            self._h_off = None
+        else:
+            self._h_images = _array(f, "images_bytes", "|u1", (None,), size)
+            self._h_off = _offsets(f, "offsets", n, size, len(self._h_images))
 
     def _drop_handles(self) -> None:
         for k in [k for k in self.__dict__ if k.startswith("_h_")]:
@@ -207,22 +310,29 @@ class HDF5Reader(Reader):
                 out.append(f"{name}: checksum differs")
         return out
 
+    def _check_size(self) -> None:
+        """HDF5 reads past the end of its file as zeros: a file cut under an open reader
+        would hand out zeros silently (one ``fstat`` per read catches it)."""
+        size = os.fstat(self._h_f.id.get_vfd_handle()).st_size
+        if size < self._h_size:
+            raise FormatError(f"{self.path}: {size} bytes, but it held {self._h_size} when opened: the file was "
+                              f"truncated while open; restore or re-pack it")
+
     def _record(self, i: int) -> Any:
-        a, b = int(self._h_recoff[i]), int(self._h_recoff[i + 1])
-        if not 0 <= a <= b:
-            raise CorruptSampleError(f"#{i}", "record offsets out of order")
+        a, b = int(self._h_recoff[i]), int(self._h_recoff[i + 1])  # checked at open: 0 <= a <= b <= len
         return unpack_record(self._h_records[a:b].tobytes(), f"#{i}")
 
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
+        self._check_size()
         rec = self._record(i)
         if self._h_fixed:
             payload: Any = self._h_images[i]
         else:
-            a, b = int(self._h_off[i]), int(self._h_off[i + 1])
-            if not 0 <= a <= b:
-                raise CorruptSampleError(f"#{i}", "image offsets out of order")
+            a, b = int(self._h_off[i]), int(self._h_off[i + 1])  # checked at open: 0 <= a <= b <= len
+            if b - a > limits.MAX_PAYLOAD_BYTES:
+                raise CorruptSampleError(f"#{i}", f"payload of {b - a} bytes is over packio's limit")
             payload = self._h_images[a:b].tobytes()
         return decode_stored(rec, payload, f"#{i}")
 
@@ -232,10 +342,15 @@ class HDF5Reader(Reader):
         self._ensure_open()
         if not self._h_fixed:
             return None
-        f = self._h_f
+        f, n = self._h_f, self.manifest.count
+        self._check_size()
         if "_h_meta" not in self.__dict__:
-            self._h_meta = Columns.checked({k: f[k][:] for k in NAMES if k in f}, self.manifest.count,
-                                           str(self.path))
+            size = self._h_size  # declared shapes checked against the file before anything is read
+            boxes = _array(f, "boxes", "<f4", (None, 4), size)
+            declared = {"labels": _array(f, "labels", "<i8", (n,), size), "boxes": boxes,
+                        "box_labels": _array(f, "box_labels", "<i8", (len(boxes),), size),
+                        "box_offsets": _array(f, "box_offsets", "<i8", (n + 1,), size)}
+            self._h_meta = Columns.checked({k: d[:] for k, d in declared.items()}, n, str(self.path))
         idx = np.asarray([self.check_index(i) for i in indices], np.int64)
         d = self._h_images
         out = np.empty((len(idx), *d.shape[1:]), np.uint8)
@@ -249,6 +364,7 @@ class HDF5Reader(Reader):
         if not self._h_fixed or len(indices) < 2:
             return [self.read(i) for i in indices]
         idx = np.asarray([self.check_index(i) for i in indices])
+        self._check_size()
         uniq, inv = np.unique(idx, return_inverse=True)
         block = self._h_images[uniq]  # h5py wants increasing indices: one read, then reorder
         return [decode_stored(self._record(int(i)), block[j], f"#{i}") for i, j in zip(idx, inv)]

@@ -3,13 +3,18 @@ little-endian record length, the msgpack record, then the payload bytes."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 
+from packio import limits
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, pack_record,
                                  payload_bytes, unpack_record)
@@ -57,11 +62,22 @@ class LMDBWriter(Writer):
                 # Grow geometrically: no hard-coded map size, no copy of the data.
                 self._map_size = max(self._map_size * 2, self._map_size + 2 * self._pending_bytes)
                 self._env.set_mapsize(self._map_size)
+            except lmdb.Error as exc:
+                raise self._write_error(exc) from None
         self._pending, self._pending_bytes = [], 0
+
+    def _write_error(self, exc: lmdb.Error) -> OSError:
+        """lmdb.Error carries no errno, and LMDB reports a short write on a full disk as
+        EIO: name the full disk when that is what the free space says."""
+        full = shutil.disk_usage(self.path).free < max(self._pending_bytes, 1 << 20)
+        return OSError(errno.ENOSPC if full else errno.EIO, f"LMDB write failed ({exc})")
 
     def close(self) -> dict[str, Any]:
         self._flush()
-        self._env.sync(True)
+        try:
+            self._env.sync(True)
+        except lmdb.Error as exc:
+            raise self._write_error(exc) from None
         self._env.close()
         lock = self.path / "lock.mdb"
         if lock.exists():
@@ -106,27 +122,119 @@ def _release_env(path: Path, ident: str) -> None:
             del _ENVS[key]
 
 
+def _maps_of(fd: int, path: Path) -> list[tuple[int, int]]:
+    """(start, length) of this process's memory maps of the file open as ``fd``, from its
+    start (/proc/self/maps; empty where there is none). Matched by device and inode, or
+    by path (overlayfs shows the underlying file's device there)."""
+    st = os.fstat(fd)
+    real = os.path.realpath(path)
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) < 6 or int(fields[2], 16) != 0:
+                    continue
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                if ((int(fields[4]) == st.st_ino and os.makedev(major, minor) == st.st_dev)
+                        or fields[5].rstrip("\n") == real):
+                    a, b = (int(x, 16) for x in fields[0].split("-"))
+                    out.append((a, b - a))
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+_NODE = struct.Struct("<HHHH")  # MDB_node: mn_lo, mn_hi (data size), mn_flags, mn_ksize; then the key
+_F_BIGDATA = 0x01  # the data sits on overflow pages: the node holds their first page number
+_PAGE_HEADER = 16
+
+
+def _address(buf: memoryview) -> int:
+    return np.frombuffer(buf, np.uint8).__array_interface__["data"][0]
+
+
 class LMDBReader(Reader):
+    """Reads through LMDB's memory map, where a page past the end of data.mdb kills the
+    process with SIGBUS. So:
+
+    - the file must hold every page its meta page counts (``fstat`` before each read,
+      which also catches a file truncated under an open reader);
+    - a value must lie inside those pages before anything touches it: a crafted node
+      may claim any size, and py-lmdb touches every page of a value as it returns it.
+      The cursor is placed on the key (LMDB reads the node's header and key, nothing
+      of the value); the header, 8 bytes before the key, gives the value's place and
+      size, which are checked against the file before the value is asked for.
+
+    Residual risk (documented in the README): LMDB itself trusts offsets inside a
+    page, so a crafted node pointer in one of the file's last pages can still make
+    it read past the end; and a truncation landing between the check and the copy.
+    Where /proc/self/maps is absent, only the file-size check runs."""
+
+    COUNT_FILE = "data.mdb"
+    MIN_SAMPLE_BYTES = 16  # a 10-byte key and an 8-byte node header at the least
+
     @classmethod
     def describe(cls, path: Path, manifest: Manifest) -> list[str]:
         return [f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
                 f"u32le length | msgpack record | image bytes"]
 
     def _open(self) -> None:
-        if not inside(self.path, "data.mdb").is_file():
-            raise FormatError(f"{self.path}: no data.mdb inside; this LMDB dataset is incomplete")
+        data = inside(self.path, "data.mdb")
+        limits.file_size(data, lambda m: FormatError(f"{m}; this LMDB dataset is incomplete"))  # never blocks
         try:
             env = _shared_env(self.path, self.manifest.id)
             self._h_txn = env.begin(buffers=True)
+            info, st = env.info(), env.stat()  # both from the meta pages, which LMDB read with pread
         except lmdb.Error as exc:
             raise FormatError(f"{self.path}: cannot open as LMDB ({exc}); is it a packio LMDB dataset?") from None
-        entries = env.stat()["entries"]
+        self._h_need, self._h_psize = (info["last_pgno"] + 1) * st["psize"], st["psize"]
+        self._h_guard = limits.MapGuard()
+        fd = self._h_guard.add(data, self._h_need)
+        self._h_maps = _maps_of(fd, data)
+        self._h_cursor = self._h_txn.cursor()
+        entries = st["entries"]
         if entries != self.manifest.count:
             raise FormatError(f"{self.path}: LMDB holds {entries} entries but the manifest says "
                               f"{self.manifest.count}; the dataset is damaged, re-pack it")
 
+    def _get(self, i: int) -> memoryview | None:
+        """Sample i's value, its place checked against the file before it is touched."""
+        self._h_guard.check()
+        if not self._h_maps:
+            try:
+                return self._h_txn.get(_key(i))
+            except lmdb.Error as exc:
+                raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: {exc}; re-pack the dataset") from None
+        cur = self._h_cursor
+        try:
+            if not cur.set_key(_key(i)):
+                return None
+        except lmdb.Error as exc:  # a damaged page on the way to the key
+            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: {exc}; re-pack the dataset") from None
+        key = cur.key()
+        at = _address(key)
+        start = next((a for a, n in self._h_maps if a <= at < a + n), None)
+        lo, hi, flags, ksize = _NODE.unpack(ctypes.string_at(at - _NODE.size, _NODE.size))  # LMDB read these
+        size = lo | hi << 16
+        if start is None or ksize != len(key) or flags & ~_F_BIGDATA:
+            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: a damaged LMDB node; re-pack the dataset")
+        if flags & _F_BIGDATA:
+            (pgno,) = struct.unpack("<Q", ctypes.string_at(at + ksize, 8))  # LMDB copied these too
+            first = start + pgno * self._h_psize + _PAGE_HEADER
+        else:
+            first = at + ksize
+        if not start <= first <= first + size <= start + self._h_need:
+            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: the value's {size} bytes lie outside the "
+                                              f"file's pages (a damaged LMDB node); re-pack the dataset")
+        return cur.value()
+
     def _drop_handles(self) -> None:
+        self.__dict__.pop("_h_cursor", None)
         txn = self.__dict__.pop("_h_txn", None)
+        guard = self.__dict__.pop("_h_guard", None)
+        if guard is not None:
+            guard.close()
         if txn is not None and self._pid == os.getpid():
             txn.abort()
             _release_env(self.path, self.manifest.id)
@@ -134,7 +242,7 @@ class LMDBReader(Reader):
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
-        value = self._h_txn.get(_key(i))
+        value = self._get(i)
         if value is None:
             raise CorruptSampleError(f"#{i}", "missing from the LMDB file")
         if len(value) < 4:

@@ -19,6 +19,8 @@ __all__ = ["MultiPartReader"]
 
 
 class MultiPartReader(Reader):
+    COUNT_FILE = None  # each part checks its own; their sum must equal the count
+
     def __init__(self, path: Path, manifest: Manifest, spec: FormatSpec) -> None:
         super().__init__(path, manifest)
         parts = manifest.extra.get("parts")

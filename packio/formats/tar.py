@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from packio import limits
 from packio.decode import sniff
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside,
@@ -123,6 +124,21 @@ def _check_member(m: tarfile.TarInfo, shard: Path) -> None:
         raise FormatError(f"{shard}: member {name!r} has an absolute or '..' path; refusing this tar")
     if m.issym() or m.islnk() or m.isdev():
         raise FormatError(f"{shard}: member {name!r} is a link or device; refusing this tar")
+    if m.issparse():  # its data is not one run of bytes, and it may claim any size
+        raise FormatError(f"{shard}: member {name!r} is a GNU sparse file; refusing this tar")
+
+
+def _label(tf: tarfile.TarFile, m: tarfile.TarInfo, shard: Path) -> int:
+    """A ``.cls`` member's class index (-1 when it holds none)."""
+    f = tf.extractfile(m)
+    try:
+        label = int(f.read(32).decode().strip()) if f else -1
+    except (ValueError, UnicodeDecodeError):
+        return -1
+    if not -1 <= label < limits.MAX_CLASSES:  # one class name is made per index up to the largest
+        raise FormatError(f"{shard}: {m.name} holds the label {label}, outside 0..{limits.MAX_CLASSES - 1}; "
+                          f"packio reads .cls members as class indices")
+    return label
 
 
 def _scan(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[str], list[int]]:
@@ -130,11 +146,14 @@ def _scan(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[st
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     order: list[str] = []
     try:
-        with tarfile.open(shard, "r:") as tf:
+        fd = limits.open_regular(shard)
+        with os.fdopen(fd, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tf:
+            size = os.fstat(fd).st_size
             for m in tf:
                 _check_member(m, shard)
                 if not m.isfile():
                     continue
+                limits.check_span(m.offset_data, m.size, size, f"{shard}: member {m.name!r}")
                 base = m.name.rsplit("/", 1)[-1]
                 if "." not in base:
                     continue
@@ -154,13 +173,7 @@ def _scan(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[st
                         raise FormatError(f"{shard}: sample {key!r} has no image member")
                     continue
                 js = g.get("json")
-                label = -1
-                if "cls" in g:
-                    f = tf.extractfile(g["cls"])
-                    try:
-                        label = int(f.read(32).decode().strip()) if f else -1
-                    except (ValueError, UnicodeDecodeError):
-                        label = -1
+                label = _label(tf, g["cls"], shard) if "cls" in g else -1
                 rows.append((shard_no, img.offset_data, img.size,
                              js.offset_data if js else -1, js.size if js else 0))
                 keys.append(key)
@@ -168,6 +181,19 @@ def _scan(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[st
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise FormatError(f"{shard}: not a readable tar shard ({exc})") from None
     return np.asarray(rows, np.int64).reshape(-1, 5), keys, labels
+
+
+def _check_rows(where: Path, index: np.ndarray) -> None:
+    """Offsets and sizes are non-negative and within packio's size limits (whether a
+    member lies inside its shard is checked per read: a truncated shard keeps the
+    samples before the cut readable)."""
+    img_off, img_size, js_off, js_size = (index[:, k] for k in range(1, 5))
+    ok = ((img_off >= 0) & (img_size >= 0) & (img_size <= limits.MAX_PAYLOAD_BYTES) & (js_off >= -1)
+          & (js_size >= 0) & (js_size <= limits.MAX_RECORD_BYTES))
+    if not ok.all():
+        i = int(np.argmin(ok))
+        raise FormatError(f"{where}: row {i} {index[i].tolist()} holds a negative offset or a size over "
+                          f"packio's limits; re-pack the dataset")
 
 
 def _expand(pattern: str) -> list[str]:
@@ -211,6 +237,8 @@ def _brace(names: list[str]) -> str | None:
 class TarReader(Reader):
     """Random access through the member index; one open file per shard per process."""
 
+    COUNT_FILE = None  # the index's header must hold the manifest's count, and fit its file
+
     def __init__(self, path: Path, manifest: Manifest, shards: list[Path] | None = None,
                  index: np.ndarray | None = None, foreign: dict[int, tuple[str, int]] | None = None) -> None:
         super().__init__(path, manifest)
@@ -220,15 +248,13 @@ class TarReader(Reader):
                 raise FormatError(f"{path}: manifest 'shards' is not a list of file names; re-pack the dataset")
             shards = [inside(path, s) for s in names]
         self.shards = shards
-        if index is None:
-            try:
-                index = np.load(inside(path, INDEX), allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise FormatError(f"{path}: cannot read {INDEX} ({exc}); re-pack the dataset") from None
+        if index is None:  # the header's shape must be the manifest's count, and fit the file
+            index = limits.load_npy(inside(path, INDEX), "<i8", (manifest.count, 5))
         if index.dtype != np.int64 or index.shape != (manifest.count, 5) or (
                 len(index) and not (0 <= index[:, 0].min() and index[:, 0].max() < len(self.shards))):
             raise FormatError(f"{path}: {INDEX} does not match the manifest ({manifest.count} samples, "
                               f"{len(self.shards)} shards); re-pack the dataset")
+        _check_rows(path / INDEX, index)
         self.index = index
         self.foreign = foreign  # index -> (key, label) for shards without packio records
 
@@ -289,26 +315,28 @@ class TarReader(Reader):
     def _open(self) -> None:
         self._h_fds = {}
 
-    def _fd(self, shard: int) -> int:
+    def _fd(self, shard: int) -> tuple[int, int]:
+        """(descriptor, size) of a shard, opened once per process."""
         fds = self._h_fds
         if shard not in fds:
-            try:
-                fds[shard] = os.open(self.shards[shard], os.O_RDONLY)
-            except OSError as exc:
-                raise FormatError(f"{self.shards[shard]}: cannot open shard ({exc.strerror})") from None
+            fd = limits.open_regular(self.shards[shard])
+            fds[shard] = (fd, os.fstat(fd).st_size)
             if self.foreign is None:
                 self._check_root()  # a shard opened late must come from the dataset the index describes
         return fds[shard]
 
     def _drop_handles(self) -> None:
-        for fd in self.__dict__.pop("_h_fds", {}).values():
+        for fd, _ in self.__dict__.pop("_h_fds", {}).values():
             try:
                 os.close(fd)
             except OSError:
                 pass
 
     def _pread(self, shard: int, off: int, size: int, i: int) -> bytes:
-        data = os.pread(self._fd(shard), size, off)
+        fd, end = self._fd(shard)
+        limits.check_span(off, size, end, f"shard {self.shards[shard].name}",
+                          lambda m: CorruptSampleError(f"#{i}", f"{m}: the shard is truncated or the index damaged"))
+        data = os.pread(fd, size, off)
         if len(data) != size:
             raise CorruptSampleError(f"#{i}", f"shard {self.shards[shard].name} is truncated")
         return data

@@ -1,0 +1,114 @@
+"""``packio.DataLoader``: torch's DataLoader plus what packio's datasets can do better.
+
+It adds, and nothing else: ``packio.collate`` (boxes cross from workers as one
+tensor each), the main-process gather of memory-mapped arrays, ``set_epoch`` /
+``epoch``, and a resume state that is a global position: it continues exactly on
+any number of ranks and workers (torchdata's StatefulDataLoader, which also works
+with packio's datasets and sampler, resumes only with the same ``num_workers``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from packio.collation import collate, unpack
+from packio.datasets import PackedIterableDataset, ResumableSampler, _Pass, _Resumable
+from packio.errors import StateError
+from packio.items import Items
+from packio.order import check_int
+
+__all__ = ["DataLoader"]
+
+log = logging.getLogger("packio")
+_WORKER_ARGS = ("num_workers", "persistent_workers", "prefetch_factor", "worker_init_fn", "multiprocessing_context",
+                "timeout", "in_order")
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """``torch.utils.data.DataLoader`` with ``packio.collate`` and an elastic resume state.
+
+    Resumable over a packio iterable dataset, or a map-style one with
+    ``sampler=packio.ResumableSampler(...)``: :meth:`state_dict` counts the batches
+    this loader has yielded (each batch is ``batch_size`` positions of the rank's
+    sequence, skipped corrupt samples included), and :meth:`load_state_dict`
+    continues from there with any ``num_workers`` and any world size.
+
+    Memory-mapped fixed-shape arrays (``.npy``, nothing to decode, resize or
+    transform) are gathered a batch at a time in the main process: ``num_workers``
+    and the other worker settings are then not used, since sending the batch from
+    a worker costs more than the gather itself (tools/bench_levers.py).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, **kwargs: Any) -> None:
+        if batch_size is not None:
+            batch_size = check_int("batch_size", batch_size, 1)
+        items = getattr(dataset, "items", None)
+        if isinstance(items, Items) and items.gathers_cheaply and kwargs.get("num_workers", 0):
+            log.info("packio: memory-mapped arrays are gathered in the main process; num_workers is not used")
+            for k in _WORKER_ARGS:
+                kwargs.pop(k, None)
+        workers = kwargs.get("num_workers", 0) > 0
+        kwargs.setdefault("collate_fn", functools.partial(collate, packed=True) if workers else collate)
+        if isinstance(dataset, PackedIterableDataset):
+            dataset.batch_size = batch_size  # each worker then makes whole batches, in the rank's order
+        super().__init__(dataset, batch_size=batch_size, **kwargs)
+        self._chunk = batch_size or 1
+        self._pass: _Pass | None = None
+
+    @property
+    def resumable(self) -> _Resumable | None:
+        """What holds the epoch and position: the iterable dataset, or the ResumableSampler."""
+        if isinstance(self.dataset, PackedIterableDataset):
+            return self.dataset
+        return self.sampler if isinstance(self.sampler, ResumableSampler) else None
+
+    def _target(self) -> _Resumable:
+        target = self.resumable
+        if target is None:
+            raise StateError("this loader cannot resume: give it a packio iterable dataset, or a map-style one "
+                             "with sampler=packio.ResumableSampler(len(dataset), ...)")
+        return target
+
+    @property
+    def epoch(self) -> int:
+        return self._target().epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` (a no-op when it is the current one: a resumed epoch keeps its position)."""
+        target: Any = self.resumable
+        if target is None and hasattr(self.sampler, "set_epoch"):
+            target = self.sampler  # e.g. torch's DistributedSampler
+        if target is None:
+            raise StateError("set_epoch needs a packio iterable dataset or a sampler with set_epoch")
+        target.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        target = self.resumable
+        if target is None:
+            yield from map(unpack, super().__iter__())
+            return
+        if isinstance(target, PackedIterableDataset) and (target.batch_size or 1) != self._chunk:
+            raise ValueError(f"the dataset's batch_size is now {target.batch_size}, this loader's is "
+                             f"{self.batch_size}: give each packio.DataLoader its own dataset")
+        p = self._pass = target._begin()
+        own = p.split.lengths()[p.split.rank]
+        for batch in super().__iter__():
+            p.taken = min(p.taken + self._chunk, own)
+            yield unpack(batch)
+        target._end(p)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position after the batches yielded so far (JSON-safe, the same on every rank)."""
+        target = self._target()
+        p = self._pass
+        if p is not None and p.generation == target._generation:
+            return target._state(p.consumed(), p.epoch)
+        return target.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._target().load_state_dict(state)
+        self._pass = None
