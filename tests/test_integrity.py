@@ -35,17 +35,23 @@ def _pack(gen_folder, tmp_path: Path, fmt: str) -> Path:
 
 
 def _flip_payload_byte(path: Path, payload: bytes) -> None:
-    """Find the sample's payload inside the stored files and flip one byte of it."""
+    """Find the sample's payload inside the stored files and flip one byte of it. Every
+    copy is flipped: LMDB can keep a stale copy of a value in a freed page (a transaction
+    retried after the map grew), and flipping only that one would damage no sample."""
     probe = payload[len(payload) // 2: len(payload) // 2 + 48]
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    found = False
     for f in files:
         data = bytearray(f.read_bytes())
         at = data.find(probe)
-        if at >= 0:
+        if at < 0:
+            continue
+        while at >= 0:
             data[at + 10] ^= 0xFF
-            f.write_bytes(bytes(data))
-            return
-    raise AssertionError("payload not found in the stored files")
+            at = data.find(probe, at + 1)
+        f.write_bytes(bytes(data))
+        found = True
+    assert found, "payload not found in the stored files"
 
 
 @pytest.mark.parametrize("fmt", sorted(formats()))
