@@ -21,6 +21,7 @@ _LAZY = {
     "Manifest": "packio.manifest",
     "PackioError": "packio.errors", "SourceError": "packio.errors", "FormatError": "packio.errors",
     "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors", "StateError": "packio.errors",
+    "OutputBusyError": "packio.errors", "DatasetReplacedError": "packio.errors",
     "RemoteError": "packio.errors",
     "open_dataset": "packio.datasets", "PackedDataset": "packio.datasets",
     "PackedIterableDataset": "packio.datasets", "DataLoader": "packio.loading",

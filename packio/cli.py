@@ -83,7 +83,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
                       workers=a.workers, strict=a.strict, resize=spec, encode=a.encode, quality=a.quality,
                       overwrite=a.overwrite, shards=a.shards, shard_samples=a.shard_samples,
                       shard_bytes=a.shard_bytes, progress=False if a.quiet else None, scheduler=a.scheduler,
-                      parts=a.parts, check=a.check)
+                      parts=a.parts, check=a.check, follow_symlinks=a.follow_symlinks)
     shown = summary.problems if a.verbose else summary.problems[:20]
     for line in shown:
         print(f"skipped: {line}", file=sys.stderr)
@@ -218,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="damaged JPEGs (libjpeg's 'corrupt data' warnings) are skipped where images are decoded "
                         "strictly: 'auto' (default) those decoded anyway (resized, re-encoded), at no extra cost; "
                         "'decode' every image (a decode each); 'header' none (headers and end markers only)")
-    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it is a packio dataset (atomically)")
+    c.add_argument("--follow-symlinks", action="store_true",
+                   help="follow symlinks in SRC leading outside it, and symlinked folders (default: skipped, counted)")
     c.add_argument("--shards", type=_int_in(1, 10**7), metavar="N",
                    help="tar: number of shards (default: max(8, 2 x CPUs), at least 8 samples each)")
     c.add_argument("--shard-samples", type=_int_in(1, 10**9), metavar="N",

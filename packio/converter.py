@@ -7,6 +7,8 @@ renamed into place only when complete.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import errno
 import functools
@@ -14,6 +16,8 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
+import threading
 import time
 import uuid
 from collections import Counter
@@ -26,7 +30,7 @@ import numpy as np
 from packio import decode as dec
 from packio import geometry as geo
 from packio import limits
-from packio.errors import FormatError, OutputExistsError, PackioError, SourceError
+from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError, SourceError
 from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, disk_bytes
@@ -201,7 +205,22 @@ def _prepare_packed(prep: _Prep, index: int) -> Result:
         s = prep.reader.read(index)
     except PackioError as exc:
         return None, "corrupt sample in the source dataset", f"#{index} ({exc})"
+    if s.checksum and checksum(s.payload) != s.checksum:  # never launder damage into a fresh checksum
+        return None, "corrupt sample in the source dataset", f"#{index} {s.key} (checksum mismatch)"
     return _finish(prep, s, s.key)
+
+
+_WORKER_FN: Callable[[Any], Result] | None = None  # set once in each pool process by _init_worker
+
+
+def _init_worker(fn: Callable[[Any], Result]) -> None:
+    global _WORKER_FN
+    _WORKER_FN = fn
+
+
+def _call(task: Any) -> Result:
+    assert _WORKER_FN is not None, "pool process started without _init_worker"
+    return _WORKER_FN(task)
 
 
 def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int | str,
@@ -235,8 +254,9 @@ def _results(fn: Callable[[Any], Result], tasks: list[Any], workers: int | str,
     # locks a forked child would inherit held (seen here: a worker hanging in OpenCV).
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    with ctx.Pool(workers) as pool:
-        yield from pool.imap(fn, tasks, chunksize=8)
+    # fn (with a packed source's reader and its index) goes to each process once, not with every chunk
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(fn,)) as pool:
+        yield from pool.imap(_call, tasks, chunksize=8)
 
 
 def auto_workers(per_task_s: float, rest: int, free_cpus: float | None = None) -> int:
@@ -300,7 +320,8 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
             resize: dec.ResizeSpec | None = None, encode: str = "keep", quality: int = 90,
             overwrite: bool = False, shards: int | None = None, shard_samples: int | None = None,
             shard_bytes: int = 1 << 30, progress: bool | None = None, max_pixels: int | None = None,
-            scheduler: Any = None, parts: int | None = None, check: str = "auto") -> Summary:
+            scheduler: Any = None, parts: int | None = None, check: str = "auto",
+            follow_symlinks: bool = False) -> Summary:
     """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
 
     The format comes from ``format`` or ``dst``'s suffix (``.lmdb`` ``.h5`` ``.wds``
@@ -332,6 +353,12 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     or not (costs a decode per image). ``"header"``: headers and JPEG end markers only,
     lenient decoding (a damaged image is re-encoded with made-up pixels).
     ``max_pixels`` defaults to ``packio.limits.MAX_PIXELS``.
+
+    ``dst`` may not be, hold or lie inside ``src``; a lock beside it makes a second
+    conversion to the same path fail at once. ``overwrite`` replaces only a packio
+    dataset, atomically. Symlinks in ``src`` are followed only where they stay inside
+    it, unless ``follow_symlinks``; every skipped entry is counted. SIGTERM / SIGHUP
+    remove the temporary output as Ctrl-C does.
     """
     args = dict(locals())  # every parameter, first thing: a URL destination passes them on
     from packio.remote import is_url
@@ -356,16 +383,28 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
                           f" only; drop --encode {encode} (or choose another output format)")
     if shards is not None and shard_samples is not None:
         raise PackioError("give the number of shards or the samples per shard, not both")
-    if dst.exists() and not overwrite:
-        raise OutputExistsError(f"{dst} exists; pass --overwrite to replace it, or choose another name")
     packed_src = src.is_file() or is_packed(src)
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
-    if src.resolve() == dst.resolve():
-        raise PackioError(f"{dst}: source and destination are the same")
+    _check_paths(src, dst, csv)
+    _check_output(dst, overwrite)
     if not dst.parent.is_dir():
         raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
+    with _terminate_cleanly(), _output_lock(dst):
+        _check_output(dst, overwrite)  # again, under the lock
+        return _convert(src, dst, spec, resize, packed_src, t0, csv=csv, columns=columns, workers=workers,
+                        strict=strict, encode=encode, quality=quality, overwrite=overwrite, shards=shards,
+                        shard_samples=shard_samples, shard_bytes=shard_bytes, progress=progress,
+                        max_pixels=max_pixels, scheduler=scheduler, parts=parts, check=check,
+                        follow_symlinks=follow_symlinks)
 
+
+def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, packed_src: bool, t0: float, *,
+             csv: str | Path | None, columns: dict[str, str] | None, workers: int | str, strict: bool,
+             encode: str, quality: int, overwrite: bool, shards: int | None, shard_samples: int | None,
+             shard_bytes: int, progress: bool | None, max_pixels: int, scheduler: Any, parts: int | None,
+             check: str, follow_symlinks: bool) -> Summary:
+    """convert() once its arguments are checked and the output is locked."""
     summary = Summary(output=str(dst), format=spec.name)
     notes: Counter[str] = Counter()
     history: list[dict[str, Any]] = []
@@ -381,7 +420,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         if not tasks:
             raise SourceError(f"{src}: the packed dataset holds no samples; nothing to convert")
     else:
-        scan = scan_source(src, csv, columns, strict=strict)
+        scan = scan_source(src, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
         summary.skipped.update(scan.skipped)
         summary.problems += scan.problems
         notes.update(scan.notes)
@@ -435,13 +474,7 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         summary.info["workers"] = part.get("workers")
         summary.manifest = part["manifest"]
         _fsync_tree(tmp)
-        if dst.exists():  # overwrite: swap in the new output, then drop the old one
-            old = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-old")
-            os.rename(dst, old)
-            os.rename(tmp, dst)
-            _remove(old)
-        else:
-            os.rename(tmp, dst)
+        _commit(tmp, dst, overwrite)
     except OSError as exc:
         _remove(tmp)
         raise PackioError(f"{dst}: writing failed ({exc.strerror or exc}); the partial output was removed"
@@ -507,6 +540,165 @@ def _declared_shape(m: Manifest) -> tuple[int, int] | None:
     return None
 
 
+def _check_paths(src: Path, dst: Path, csv: str | Path | None) -> None:
+    """Refuse an output that is, holds or lies inside the source, or holds the CSV
+    (symlinks resolved): replacing it would delete inputs, and a later run would
+    pack this output as input."""
+    base = src.parent if "{" in str(src) else src  # a brace pattern of shards: their folder
+    forms = lambda p: {Path(os.path.abspath(p)), Path(os.path.realpath(p))}  # noqa: E731
+    for d in forms(dst):
+        for s in forms(base):
+            if s == d:
+                raise PackioError(f"{dst}: source and destination are the same; write the output elsewhere")
+            if s in d.parents:
+                raise PackioError(f"{dst} lies inside the source {src}: a later run would pack this output as "
+                                  f"input; write it outside the source folder")
+            if d in s.parents:
+                raise PackioError(f"{dst} holds the source {src}: replacing it would delete the input; "
+                                  f"write the output elsewhere")
+        if csv and any(c == d or d in c.parents for c in forms(csv)):
+            raise PackioError(f"{dst} holds the CSV {csv}: replacing it would delete it; write the output elsewhere")
+
+
+def _is_dataset(path: Path) -> bool:
+    """A packio dataset: a folder whose manifest parses, or a file a format claims that
+    carries packio's manifest (an HDF5 file written by packio; not foreign tar shards)."""
+    try:
+        if path.is_dir():
+            Reader.read_manifest(path)
+            return True
+        return path.is_file() and not open_reader(path).manifest.source.get("foreign")
+    except (FormatError, OSError):
+        return False
+
+
+def _check_output(dst: Path, overwrite: bool) -> None:
+    if not os.path.lexists(dst):
+        return
+    if not overwrite:
+        raise OutputExistsError(f"{dst} exists; pass --overwrite to replace it, or choose another name")
+    if not _is_dataset(dst):
+        raise OutputExistsError(f"{dst} exists and is not a packio dataset; --overwrite replaces only a packio "
+                                f"dataset (a folder with {MANIFEST_NAME}, or a packio HDF5 file): remove it "
+                                f"yourself or choose another name")
+
+
+@contextlib.contextmanager
+def _output_lock(dst: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``dst`` for the whole conversion (a lock file beside
+    it): a second conversion to the same path fails at once instead of racing this one."""
+    import fcntl
+
+    path = dst.with_name(f".{dst.name}.packio-lock")
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise PackioError(f"{path}: cannot create the output's lock file ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputBusyError(f"{dst}: another packio conversion is writing it now (it holds {path}); "
+                                  f"wait for it to finish, or choose another output") from None
+        try:  # the file on disk, not one its last holder removed after we opened it
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # while still holding it: a waiter then sees a fresh file
+        os.close(fd)
+
+
+class _Terminated(BaseException):
+    """SIGTERM / SIGHUP during a conversion: unwinds like Ctrl-C so the temporary output goes."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _terminate_cleanly() -> Iterator[None]:
+    """While converting in the main thread, turn SIGTERM / SIGHUP (where they would kill
+    the process outright) into an exception; after the clean-up, die of the signal."""
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        def handler(signum: int, frame: Any) -> None:
+            raise _Terminated(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                saved[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    except _Terminated as exc:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+        saved.clear()
+        os.kill(os.getpid(), exc.signum)
+        raise
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2() -> Any:
+    try:
+        return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    except OSError:
+        return None
+
+
+def _rename2(src: Path, dst: Path, flag: int) -> bool:
+    """Linux ``renameat2`` with RENAME_NOREPLACE or RENAME_EXCHANGE (atomic); False where
+    the C library or the file system lacks it, and the caller falls back."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(-100, os.fsencode(src), -100, os.fsencode(dst), flag) == 0:  # -100: AT_FDCWD
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _commit(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Move the finished output into place: swapped atomically with an existing packio
+    dataset (overwrite), else renamed, never over something that appeared meanwhile."""
+    if overwrite and os.path.lexists(dst):
+        _check_output(dst, overwrite)  # still a packio dataset
+        if _rename2(tmp, dst, _RENAME_EXCHANGE):
+            _remove(tmp)  # tmp now names the old dataset
+            return
+        old = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-old")
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        _remove(old)
+        return
+    try:
+        if _rename2(tmp, dst, _RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        pass
+    else:
+        if not os.path.lexists(dst):
+            os.rename(tmp, dst)
+            return
+    raise OutputExistsError(f"{dst} appeared while converting (written by another program); it was left as it "
+                            f"is and this output dropped: pass --overwrite to replace it, or choose another name")
+
+
 @dataclass(frozen=True)
 class _Job:
     """What every part of one conversion shares."""
@@ -554,8 +746,8 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     except BaseException:
         writer.abort()
         raise
-    manifest = Manifest(format=job.format, count=writer.count, classes=job.classes, image=_image_facts(job.image, done),
-                        source=job.source, extra=extra,
+    manifest = Manifest(format=job.format, count=writer.count, id=uuid.uuid4().hex, classes=job.classes,
+                        image=_image_facts(job.image, done), source=job.source, extra=extra,
                         summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup,
                                  "notes": dict(notes)})
     writer.write_manifest(manifest)
@@ -576,18 +768,19 @@ def _image_facts(image: dict[str, Any], done: Counter[str]) -> dict[str, Any]:
 
 
 def _pack_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: str) -> dict[str, Any]:
-    """One Dask task: write one part atomically (a retried task starts clean)."""
+    """One Dask task: write one part under a temporary name beside its final one. The
+    driver commits the returned temporary; those of killed attempts it removes."""
     final = Path(path)
+    if not final.parent.is_dir():
+        raise PackioError(f"{final.parent}: the conversion's output is gone (cancelled); nothing written")
     tmp = final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    _remove(final)
     try:
         out = _write_part(job, fn, tasks, tmp)
         _fsync_tree(tmp)
-        os.rename(tmp, final)
     except BaseException:
         _remove(tmp)
         raise
-    return out
+    return {**out, "tmp": tmp.name}
 
 
 def _client(scheduler: Any) -> tuple[Any, bool]:
@@ -622,13 +815,22 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
         futures = [client.submit(_pack_part, _part_job(job, b - a), fn, tasks[a:b], str(root / name), pure=False,
                                  retries=2, key=f"packio-{root.name}-{name}")
                    for (a, b), name in zip(zip(bounds[:-1], bounds[1:]), names)]
-        with _progress(k, progress) as bar:
-            for _ in as_completed(futures):
-                bar.update(1)
-        results = client.gather(futures)  # raises the first task error: nothing gets committed
+        try:
+            with _progress(k, progress) as bar:
+                for _ in as_completed(futures):
+                    bar.update(1)
+            results = client.gather(futures)  # raises the first task error: nothing gets committed
+        except BaseException:
+            client.cancel(futures)
+            raise
     finally:
         if owned:
             client.close()
+    for name, r in zip(names, results):  # parts enter the output only under their final names
+        os.rename(root / r.pop("tmp"), root / name)
+    for p in root.iterdir():
+        if p.name not in names:  # temporaries of attempts on workers that died
+            _remove(p)
     count = sum(r["count"] for r in results)
     for r in results:
         skipped.update(r["skipped"])
@@ -640,7 +842,7 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
                         extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},
                         summary={"packed": count, "skipped": dict(skipped), "duplicate_content": dup,
                                  "notes": dict(notes), "note": "duplicate_content counts within each part"},
-                        files=describe_files(root))
+                        files=describe_files(root), id=uuid.uuid4().hex)
     (root / MANIFEST_NAME).write_text(manifest.to_json())
     return {"count": count, "skipped": dict(skipped), "notes": dict(notes),
             "problems": [p for r in results for p in r["problems"]],

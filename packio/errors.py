@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PackioError", "SourceError", "OutputExistsError", "FormatError", "CorruptSampleError", "StateError"]
+__all__ = ["PackioError", "SourceError", "OutputExistsError", "OutputBusyError", "FormatError", "DatasetReplacedError",
+           "CorruptSampleError", "StateError"]
 
 
 class PackioError(Exception):
@@ -17,8 +18,16 @@ class OutputExistsError(PackioError):
     """The output path exists and ``overwrite`` was not asked for."""
 
 
+class OutputBusyError(PackioError):
+    """Another conversion holds the lock on the same output path."""
+
+
 class FormatError(PackioError):
     """A packed dataset is missing, malformed, or of an unknown format."""
+
+
+class DatasetReplacedError(FormatError):
+    """The dataset a reader opened was replaced on disk (e.g. ``convert --overwrite``)."""
 
 
 class CorruptSampleError(PackioError):

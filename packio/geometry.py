@@ -47,7 +47,12 @@ def resize(boxes: np.ndarray, src_hw: tuple[int, int], dst_hw: tuple[int, int]) 
         raise ValueError(f"cannot resize boxes from an image of size {src_hw}")
     if (h0, w0) == (h1, w1):
         return as_boxes(boxes)
-    return scale(boxes, w1 / w0, h1 / h0)
+    # x * w1 / w0 in float64, not x * float32(w1 / w0): an edge at w0 lands exactly on w1
+    # (a rounded factor puts it a float32 ulp outside the image, which box checkers reject)
+    b = as_boxes(boxes).astype(np.float64)
+    b[:, 0::2] = b[:, 0::2] * w1 / w0
+    b[:, 1::2] = b[:, 1::2] * h1 / h0
+    return b.astype(np.float32)
 
 
 def hflip(boxes: np.ndarray, width: float) -> np.ndarray:

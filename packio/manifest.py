@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,8 @@ from typing import Any
 from packio import limits
 from packio.errors import FormatError
 
-__all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "file_digest", "describe_files", "disk_bytes"]
+__all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "file_digest", "describe_files", "disk_bytes",
+           "manifest_id"]
 
 MANIFEST_NAME = "packio.json"
 DIGEST = "xxh3_128"  # file checksums; samples carry xxh3_64 (packio.sample.checksum)
@@ -23,6 +25,7 @@ class Manifest:
 
     format: str
     count: int
+    id: str = ""  # unique per written dataset: readers notice when the path now holds another one
     classes: list[str] = field(default_factory=list)
     image: dict[str, Any] = field(default_factory=dict)  # encoding, size, resize spec
     source: dict[str, Any] = field(default_factory=dict)  # path, csv, column map
@@ -30,9 +33,20 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)  # format-specific layout facts
     summary: dict[str, Any] = field(default_factory=dict)  # packed / skipped counts
     version: int = LAYOUT_VERSION
+    digest: str = ""  # xxh3_128 of every other field (content_digest); verify compares
+
+    def content_digest(self) -> str:
+        """Checksum of the content a reader trusts (every field but ``digest``), in a
+        canonical JSON form that survives a write/read round trip."""
+        import xxhash
+
+        body = json.loads(json.dumps({k: v for k, v in asdict(self).items() if k != "digest"}))
+        return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        """The JSON to store, with a fresh digest. Field order puts ``id`` in the first
+        bytes, so a reader can check it without parsing a large ``files`` table."""
+        return json.dumps({**asdict(self), "digest": self.content_digest()}, indent=1)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "Manifest":
@@ -43,7 +57,7 @@ class Manifest:
             raise FormatError(
                 f"{where}: manifest version {raw.get('version')!r} is not supported by this "
                 f"packio (reads version {LAYOUT_VERSION}); upgrade packio or re-pack the data")
-        types = {"format": str, "count": int, "classes": list, "image": dict, "source": dict,
+        types = {"format": str, "count": int, "id": str, "digest": str, "classes": list, "image": dict, "source": dict,
                  "files": dict, "extra": dict, "summary": dict}
         for name, typ in types.items():
             if name in raw and not isinstance(raw[name], typ):
@@ -54,6 +68,18 @@ class Manifest:
             raise FormatError(f"{where}: manifest 'classes' must be strings")
         known = {k: raw[k] for k in (*types, "version") if k in raw}
         return cls(**known)
+
+
+_ID_AT_START = re.compile(rb'^\{\s*"format":\s*"[^"\\]*",\s*"count":\s*\d+,\s*"id":\s*"([0-9a-f]*)"')
+
+
+def manifest_id(path: Path) -> str:
+    """The ``id`` of the manifest file at ``path``: from its first bytes when it has the
+    layout ``to_json`` writes, else from a full parse."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    m = _ID_AT_START.match(head)
+    return m.group(1).decode() if m else Manifest.from_json(path.read_bytes(), str(path)).id
 
 
 def file_digest(path: Path, chunk: int = 1 << 22) -> str:

@@ -152,9 +152,12 @@ def unstorable(sample: Sample) -> tuple[str, str] | None:
         sample_from_record(rec, sample.payload)
     except (CorruptSampleError, OverflowError, ValueError) as exc:
         return "annotations out of range", str(getattr(exc, "reason", exc)).removeprefix("bad record: ")
+    import json
+
     import msgpack
 
-    size = len(msgpack.packb(rec, use_bin_type=True))
+    # Both codecs: tar keeps records as JSON, and a dataset should convert to every format.
+    size = max(len(msgpack.packb(rec, use_bin_type=True)), len(json.dumps(rec, separators=(",", ":")).encode()))
     if size > limits.MAX_RECORD_BYTES:
         return "record too large", f"{size} bytes, packio's limit is {limits.MAX_RECORD_BYTES}"
     return None

@@ -20,7 +20,7 @@ import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -77,18 +77,47 @@ def parse_columns(text: str | None) -> dict[str, str]:
     return out
 
 
-def _walk(root: Path, scan: Scan, exclude: set[str]) -> list[tuple[str, str]]:
-    """(relative key, absolute path) of every regular file, sorted; no symlinked dirs."""
+PATH_MAX = 4096  # bytes: longer paths cannot be opened by name on Linux
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a symlink loop
+        return False
+
+
+def _walk(root: Path, scan: Scan, exclude: set[str], follow_symlinks: bool = False) -> list[tuple[str, str]]:
+    """(relative key, path) of every regular file, sorted (files of a folder, then its
+    sub-folders). Symlinks are followed only where they resolve inside ``root``, unless
+    ``follow_symlinks``; a symlinked folder is followed only with ``follow_symlinks``
+    (inside ``root`` its files are packed under their own path already). Every entry
+    left out is counted in ``scan``. Iterative: no depth limit."""
     found: list[tuple[str, str]] = []
-    top = str(root)
-    for dirpath, dirnames, filenames in _walk_dirs(top, scan):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        reldir = os.path.relpath(dirpath, top).replace(os.sep, "/")
-        prefix = "" if reldir == "." else reldir + "/"
-        for name in sorted(filenames):
-            if name.startswith("."):
+    top = os.path.realpath(root)
+    # (key prefix, folder, the folders above it): a followed link to one of those is a loop
+    stack: list[tuple[str, str, frozenset[tuple[int, int]]]] = [("", str(root), frozenset())]
+    while stack:
+        prefix, folder, above = stack.pop()
+        try:
+            st = os.stat(folder)
+            if (st.st_dev, st.st_ino) in above:
+                scan.skip("symlink loop (a folder inside itself)", folder)
                 continue
-            full = os.path.join(dirpath, name)
+            with os.scandir(folder) as it:
+                entries = sorted((e.name, e.is_symlink(), _is_dir(e)) for e in it)
+        except OSError as exc:
+            if folder == str(root):
+                raise SourceError(f"{root}: cannot list the folder ({exc.strerror})") from None
+            scan.skip("unreadable folder", folder, exc.strerror or "")
+            continue
+        above = above | {(st.st_dev, st.st_ino)}
+        subfolders: list[tuple[str, str, frozenset[tuple[int, int]]]] = []
+        for name, link, is_dir in entries:
+            full = os.path.join(folder, name)
+            if name.startswith("."):
+                scan.skip("hidden file or folder (name starts with '.')", full)
+                continue
             if exclude and os.path.abspath(full) in exclude:
                 continue
             rel = prefix + name
@@ -97,8 +126,23 @@ def _walk(root: Path, scan: Scan, exclude: set[str]) -> list[tuple[str, str]]:
             except UnicodeEncodeError:
                 scan.skip("file name is not valid UTF-8", os.fsencode(full).decode("utf-8", "replace"))
                 continue
-            if os.path.islink(full) and not os.path.exists(full):
-                scan.skip("broken or looping symlink", full)
+            if len(os.fsencode(os.path.abspath(full))) >= PATH_MAX:
+                scan.skip(f"path longer than {PATH_MAX - 1} bytes", full[:200] + "...")
+                continue
+            if link:
+                target = os.path.realpath(full)
+                if not os.path.exists(full):
+                    scan.skip("broken or looping symlink", full)
+                    continue
+                if not follow_symlinks and not (target == top or target.startswith(top.rstrip(os.sep) + os.sep)):
+                    scan.skip("symlink to outside the source (--follow-symlinks packs it)", full, target)
+                    continue
+                if is_dir and not follow_symlinks:
+                    scan.skip("symlinked folder inside the source (packed under its own path; "
+                              "--follow-symlinks packs it twice)", full, target)
+                    continue
+            if is_dir:
+                subfolders.append((rel + "/", full, above))
                 continue
             try:
                 regular = stat.S_ISREG(os.stat(full).st_mode)
@@ -109,37 +153,8 @@ def _walk(root: Path, scan: Scan, exclude: set[str]) -> list[tuple[str, str]]:
                 scan.skip("not a regular file", full)
                 continue
             found.append((rel, full))
+        stack.extend(reversed(subfolders))
     return found
-
-
-def _walk_dirs(top: str, scan: Scan) -> Iterator[tuple[str, list[str], list[str]]]:
-    """``os.walk(top, followlinks=False)`` without recursion (Python 3.11's recurses:
-    1,100 nested folders raise RecursionError) and with every folder it cannot list
-    (a path over PATH_MAX, no permission) counted, where ``os.walk`` drops it silently.
-    Top-down: the caller may prune ``dirnames`` in place."""
-    stack = [top]
-    while stack:
-        path = stack.pop()
-        try:
-            with os.scandir(path) as it:
-                entries = list(it)
-        except OSError as exc:
-            if path == top:
-                raise SourceError(f"{top}: cannot list the folder ({exc.strerror})") from None
-            scan.skip("unreadable folder", path, exc.strerror or "")
-            continue
-        dirs, files = [], []
-        for e in entries:
-            try:
-                is_dir = e.is_dir()
-            except OSError:
-                is_dir = False
-            (dirs if is_dir else files).append(e.name)
-        yield path, dirs, files
-        for d in reversed(dirs):  # popped in the caller's order: depth-first like os.walk
-            sub = os.path.join(path, d)
-            if not os.path.islink(sub):
-                stack.append(sub)
 
 
 def read_image_file(path: str, max_bytes: int) -> tuple[bytes | None, str, str]:
@@ -345,7 +360,7 @@ def _sort_classes(names: set[str]) -> list[str]:
 
 
 def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: dict[str, str] | None = None,
-                *, strict: bool = False) -> Scan:
+                *, strict: bool = False, follow_symlinks: bool = False) -> Scan:
     """List an image folder and attach CSV annotations.
 
     Labels: the name of each image's parent folder (``train/ants/x.jpg`` → ``ants``)
@@ -361,7 +376,7 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
         raise SourceError(f"{root}: not a folder. Give a folder of images (class sub-folders or flat)")
     scan = Scan(items=[], classes=[])
     exclude = {os.path.abspath(csv_path)} if csv_path else set()
-    files = _walk(root, scan, exclude)
+    files = _walk(root, scan, exclude, follow_symlinks)
     rows = _read_csv(Path(csv_path), columns or {}, scan) if csv_path else []
 
     by_key = {rel: full for rel, full in files}

@@ -103,6 +103,21 @@ def run_child_cases(code: str, args: list[str], timeout: float) -> tuple[dict[st
     return results, started, f"child rc={rc}; stderr tail: {err[-2000:]}"
 
 
+@pytest.fixture
+def real_folder(tmp_path: Path) -> Path:
+    """Twelve real raccoon photos (raccoon-150..161: three of them grayscale) copied into
+    two class folders, for tests that damage or replace what they pack."""
+    import shutil
+
+    src = shared("raccoon") / "images"
+    root = tmp_path / "real"
+    for k in range(150, 162):
+        cls = root / ("early" if k < 156 else "late")
+        cls.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / f"raccoon-{k}.jpg", cls)
+    return root
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):
     """A real S3 server for the session: SeaweedFS (``weed server -s3``, from the

@@ -97,9 +97,8 @@ def test_worker_killed_mid_conversion(tmp_path):
         t = threading.Thread(target=run)
         t.start()
         deadline = time.time() + 60
-        while time.time() < deadline and not any(
-                p.name.startswith("part-") and not p.name.startswith(".")
-                for d in tmp_path.glob(".out.lmdb*") for p in d.iterdir()):
+        while time.time() < deadline and not any(  # a part being written (committed only from its final name)
+                p.name.startswith(".part-") for d in tmp_path.glob(".out.lmdb.packio-tmp-*") for p in d.iterdir()):
             time.sleep(0.01)
         killed = client.run(lambda: os.getpid())
         for pid in killed.values():
@@ -111,6 +110,10 @@ def test_worker_killed_mid_conversion(tmp_path):
     else:
         assert result["summary"].packed == 300
         assert packio.verify(tmp_path / "out.lmdb").ok and len(packio.open_dataset(tmp_path / "out.lmdb")) == 300
+        names = {p["path"] for p in packio.open_reader(tmp_path / "out.lmdb").manifest.extra["parts"]}
+        assert {p.name for p in (tmp_path / "out.lmdb").iterdir()} == names | {"packio.json"}  # no leftovers
+        files = packio.open_reader(tmp_path / "out.lmdb").manifest.files
+        assert {f.split("/")[0] for f in files} == names
 
 
 def test_cli_scheduler_address(cluster, gen_folder, tmp_path):

@@ -61,6 +61,25 @@ def test_crop_rule_keeps_exactly_boxes_overlapping_the_interior() -> None:
     assert b.dtype == np.float32 and lab.dtype == np.int64
 
 
+def test_resize_puts_image_edges_exactly_on_the_new_edges() -> None:
+    """A box spanning the whole image stays exactly inside the resized one, on the CPU and in
+    the torch twin: a float32 factor (90 * f32(48/90) = 48.000004) put edges a ulp outside,
+    which albumentations / torchvision box checks reject."""
+    import torch
+
+    from packio.cuda import boxes as bx
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        h0, w0, h1, w1 = (int(v) for v in rng.integers(1, 400, 4))
+        whole = np.array([[0, 0, w0, h0], [w0 / 2, 0, w0, h0]], np.float32)
+        got = geo.resize(whole, (h0, w0), (h1, w1))
+        assert got[0].tolist() == [0, 0, w1, h1], (h0, w0, h1, w1)
+        p = bx.PackedBoxes.from_lists([torch.from_numpy(whole)], [torch.zeros(2, dtype=torch.int64)])
+        twin = bx.resize(p, torch.tensor([[h0, w0]]), (h1, w1)).boxes.numpy()
+        np.testing.assert_array_equal(twin, got)
+
+
 def test_inputs_never_modified_and_shapes_checked() -> None:
     boxes = np.array([[1, 2, 3, 4]], np.float32)
     keep = boxes.copy()

@@ -35,17 +35,23 @@ def _pack(gen_folder, tmp_path: Path, fmt: str) -> Path:
 
 
 def _flip_payload_byte(path: Path, payload: bytes) -> None:
-    """Find the sample's payload inside the stored files and flip one byte of it."""
+    """Find the sample's payload inside the stored files and flip one byte of it. Every
+    copy is flipped: LMDB can keep a stale copy of a value in a freed page (a transaction
+    retried after the map grew), and flipping only that one would damage no sample."""
     probe = payload[len(payload) // 2: len(payload) // 2 + 48]
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    found = False
     for f in files:
         data = bytearray(f.read_bytes())
         at = data.find(probe)
-        if at >= 0:
+        if at < 0:
+            continue
+        while at >= 0:
             data[at + 10] ^= 0xFF
-            f.write_bytes(bytes(data))
-            return
-    raise AssertionError("payload not found in the stored files")
+            at = data.find(probe, at + 1)
+        f.write_bytes(bytes(data))
+        found = True
+    assert found, "payload not found in the stored files"
 
 
 @pytest.mark.parametrize("fmt", sorted(formats()))
@@ -292,3 +298,140 @@ def test_kill_at_random_points_leaves_nothing_half_written(big_folder, tmp_path,
                        if suffix == ".arrays" else None)  # a rerun completes and cleans the leftovers
     assert s.packed == 360 and packio.verify(dst).ok
     assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name]
+
+
+# ---- integrity that holds ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", sorted(formats()))
+def test_convert_skips_damaged_samples_instead_of_laundering(real_folder, tmp_path, fmt):
+    path = _pack((real_folder, None), tmp_path, fmt)
+    ds = packio.open_dataset(path, decode=False)
+    victim = ds.sample(5)
+    raw = victim.payload.tobytes() if isinstance(victim.payload, np.ndarray) else victim.payload
+    ds.reader.close()
+    _flip_payload_byte(path, raw)
+    out = tmp_path / "resized.wds"  # a resize re-encodes: the damage would get a fresh checksum
+    s = packio.convert(path, out, resize=packio.ResizeSpec(size=(24, 24)), progress=False)
+    assert s.packed == 11 and dict(s.skipped) == {"corrupt sample in the source dataset": 1}
+    assert any(victim.key in p and "checksum mismatch" in p for p in s.problems)
+    copy = packio.open_dataset(out, decode=False)
+    assert victim.key not in {copy.sample(i).key for i in range(len(copy))} and packio.verify(out).ok
+
+
+def _edit_manifest(path: Path, edit) -> None:
+    import h5py
+
+    if path.is_dir():
+        m = json.loads((path / "packio.json").read_text())
+        edit(m)
+        (path / "packio.json").write_text(json.dumps(m, indent=1))
+    else:
+        with h5py.File(path, "r+") as f:
+            m = json.loads(f.attrs["packio_manifest"])
+            edit(m)
+            f.attrs["packio_manifest"] = json.dumps(m)
+
+
+@pytest.mark.parametrize("fmt", sorted(formats()))
+def test_verify_catches_manifest_edits(gen_folder, tmp_path, fmt):
+    path = _pack(gen_folder, tmp_path, fmt)
+    assert packio.verify(path).ok
+    _edit_manifest(path, lambda m: m["classes"].reverse())  # swaps what every label means
+    report = packio.verify(path)
+    assert not report.ok and any("differs from its digest" in b for b in report.bad_files), report.text()
+    _edit_manifest(path, lambda m: m["classes"].reverse())
+    assert packio.verify(path).ok
+    _edit_manifest(path, lambda m: m.pop("digest"))
+    assert not packio.verify(path).ok
+
+
+@pytest.mark.parametrize("name,fixed", [("labels", False), ("boxes", False), ("box_labels", False),
+                                        ("records", False), ("record_offsets", False), ("box_offsets", False),
+                                        ("offsets", False), ("labels", True), ("boxes", True)])
+def test_verify_catches_hdf5_array_edits(gen_folder, tmp_path, name, fixed):
+    import h5py
+
+    src, csv = gen_folder
+    path = Path(packio.convert(src, tmp_path / "d.h5", csv=csv, progress=False,
+                               resize=packio.ResizeSpec(size=(32, 32)) if fixed else None).output)
+    assert packio.verify(path).ok
+    with h5py.File(path, "r+") as f:
+        d = f[name]
+        i = len(d) // 2
+        v = d[i]
+        d[i] = v + 1 if name != "records" else v ^ 0x01
+    report = packio.verify(path)
+    assert not report.ok and any(b.startswith(f"{name}: checksum differs") for b in report.bad_files), report.text()
+
+
+def test_verify_reports_npy_header_bit_flips(gen_folder, tmp_path):
+    path = _pack(gen_folder, tmp_path, "arrays")
+    rng = np.random.default_rng(7)
+    for npy in sorted(path.glob("*.npy")):
+        good = npy.read_bytes()
+        header = 10 + int.from_bytes(good[8:10], "little")
+        for at in rng.choice(header, 8, replace=False):
+            bad = bytearray(good)
+            bad[at] ^= 1 << int(rng.integers(8))
+            npy.write_bytes(bytes(bad))
+            report = packio.verify(path)  # a report, never an exception
+            assert not report.ok and any(b.startswith(f"{npy.name}: checksum differs") for b in report.bad_files)
+        npy.write_bytes(good)
+    assert packio.verify(path).ok
+
+
+def test_records_over_the_readers_size_limit_are_skipped(tmp_path, monkeypatch):
+    from conftest import jpeg
+    from packio import limits
+
+    root = tmp_path / "imgs"
+    root.mkdir()
+    for name in ("few.jpg", "many.jpg"):
+        (root / name).write_bytes(jpeg(40, 40, len(name)))
+    rows = ["filename,class,xmin,ymin,xmax,ymax"]
+    rows += [f"few.jpg,c,{k}.1,1.3,{k + 5}.7,9.9" for k in range(4)]
+    rows += [f"many.jpg,c,{k % 30}.1,{k // 30}.3,{k % 30 + 5}.7,{k // 30 + 5}.9" for k in range(40)]
+    (tmp_path / "b.csv").write_text("\n".join(rows) + "\n")
+    monkeypatch.setattr(limits, "MAX_RECORD_BYTES", 2048)  # 40 boxes: about 1.6 KB in msgpack, 3.3 KB in JSON
+    for out in ("o.lmdb", "o.wds"):  # one rule for every format: the record fits as msgpack and as JSON
+        s = packio.convert(root, tmp_path / out, csv=tmp_path / "b.csv", progress=False)
+        assert s.packed == 1 and dict(s.skipped) == {"record too large": 1}, s.text()
+        few = packio.open_dataset(tmp_path / out)[0]
+        assert few["key"] == "few.jpg" and len(few["boxes"]) == 4
+
+
+def test_real_box_limit_round_trips_at_the_limit():
+    from packio.formats.base import pack_record, unpack_record
+    from packio.limits import MAX_BOXES
+
+    assert len(unpack_record(pack_record({"box_labels": [0] * MAX_BOXES}), "x")["box_labels"]) == MAX_BOXES
+    with pytest.raises(CorruptSampleError):
+        unpack_record(pack_record({"box_labels": [0] * (MAX_BOXES + 1)}), "x")
+
+
+def test_workers_get_the_packed_reader_once(tmp_path, monkeypatch):
+    """Converting a packed dataset with workers: the tasks carry indices, not the reader
+    (whose tar index grows with N: sent with every chunk, the bytes grew with N²)."""
+    from multiprocessing import connection
+
+    from conftest import jpeg
+
+    root = tmp_path / "imgs" / "c"
+    root.mkdir(parents=True)
+    tiny = [jpeg(8, 8, k) for k in range(4)]
+    n = 800
+    for k in range(n):
+        (root / f"{k:05d}.jpg").write_bytes(tiny[k % 4])
+    packio.convert(tmp_path / "imgs", tmp_path / "src.wds", progress=False)
+    sent = []
+    real = connection.Connection._send_bytes
+    monkeypatch.setattr(connection.Connection, "_send_bytes",
+                        lambda self, buf: sent.append(len(buf)) or real(self, buf))
+    s = packio.convert(tmp_path / "src.wds", tmp_path / "out.lmdb", workers=2, progress=False)
+    assert s.packed == n
+    # one chunk of 8 indices pickles to about 150 bytes; the reader alone is n * 40 bytes of index
+    assert sum(sent) < 100 * n, f"{sum(sent)} bytes sent to the workers for {n} samples"
+    a = packio.open_dataset(tmp_path / "src.wds", decode=False)
+    b = packio.open_dataset(tmp_path / "out.lmdb", decode=False)
+    assert [a.sample(i).payload for i in range(0, n, 97)] == [b.sample(i).payload for i in range(0, n, 97)]

@@ -13,9 +13,10 @@ from packio.formats import formats, register, unregister
 
 PUBLIC = [
     "ArrayDataset", "ArrayIterableDataset", "BMPDataset", "BMPIterableDataset", "CorruptSampleError",
-    "DataLoader", "FormatError", "HDF5Dataset", "HDF5IterableDataset", "LMDBDataset", "LMDBIterableDataset",
-    "Manifest", "OutputExistsError", "PackedDataset", "PackedIterableDataset", "PackioError", "RemoteError",
-    "ResizeSpec", "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset", "TarIterableDataset", "collate",
+    "DataLoader", "DatasetReplacedError", "FormatError", "HDF5Dataset", "HDF5IterableDataset", "LMDBDataset",
+    "LMDBIterableDataset", "Manifest", "OutputBusyError", "OutputExistsError", "PackedDataset", "PackedIterableDataset",
+    "PackioError", "RemoteError", "ResizeSpec", "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset",
+    "TarIterableDataset", "collate",
     "convert", "open_dataset", "open_reader", "tune", "verify",
 ]
 

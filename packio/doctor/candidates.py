@@ -205,5 +205,5 @@ def pack(src: Path, dst: Path, layout: Layout, workers: int) -> tuple[int, float
 
     t = time.perf_counter()
     s = convert(src, dst, format=layout.format, resize=layout.resize, workers=workers, progress=False,
-                overwrite=True)
+                overwrite=True, follow_symlinks=True)  # the exported sample links to the source's files
     return s.packed, time.perf_counter() - t

@@ -16,7 +16,7 @@ import numpy as np
 
 from packio import limits
 from packio.errors import FormatError
-from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored
+from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, inside
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -100,9 +100,9 @@ class ArrayReader(Reader):
                 and shape[2] == 3 and shape[0] * shape[1] <= limits.MAX_PIXELS):
             raise FormatError(f"{self.path}: the manifest's image shape {shape!r} is not a valid [H, W, 3] within "
                               f"packio's pixel limit; the dataset is damaged")
-        images = limits.load_npy(self.path / "images.npy", "|u1", (n, *shape), mmap=True)
+        images = limits.load_npy(inside(self.path, "images.npy"), "|u1", (n, *shape), mmap=True)
         self._h_guard = limits.MapGuard()
-        self._h_guard.add(self.path / "images.npy", images.offset + images.nbytes if n else 0)
+        self._h_guard.add(inside(self.path, "images.npy"), images.offset + images.nbytes if n else 0)
         self._h_images = images
         self._h_flat = np.asarray(images)
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
@@ -115,10 +115,11 @@ class ArrayReader(Reader):
             shapes = {"labels": (n,), "boxes": (None, 4), "box_labels": (None,), "box_offsets": (n + 1,)}
             dtypes = {"labels": "<i8", "boxes": "<f4", "box_labels": "<i8", "box_offsets": "<i8"}
             # headers checked against the manifest and the files' sizes before anything is read
-            arrays = {name: limits.load_npy(self.path / f"{name}.npy", dtypes[name], shapes[name]) for name in NAMES}
-            keys = limits.load_npy(self.path / "keys.npy", "U", (n,), mmap=True)
+            arrays = {name: limits.load_npy(inside(self.path, f"{name}.npy"), dtypes[name], shapes[name]) for name in NAMES}
+            keys = limits.load_npy(inside(self.path, "keys.npy"), "U", (n,), mmap=True)
+            self._check_root()  # loaded later than the images: from the same dataset?
             if isinstance(keys, np.memmap):
-                self._h_guard.add(self.path / "keys.npy", keys.offset + keys.nbytes)
+                self._h_guard.add(inside(self.path, "keys.npy"), keys.offset + keys.nbytes)
             self._h_meta = (Columns.checked(arrays, n, str(self.path)), keys)
         return self._h_meta
 

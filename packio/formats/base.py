@@ -15,12 +15,37 @@ import msgpack
 import numpy as np
 
 from packio import limits
-from packio.errors import CorruptSampleError, FormatError, PackioError
-from packio.manifest import MANIFEST_NAME, Manifest, describe_files
+from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError
+from packio.manifest import MANIFEST_NAME, Manifest, describe_files, manifest_id
 from packio.sample import Sample, sample_from_record
 
 __all__ = ["MAX_RECORD_BYTES", "NATIVE_ERRORS", "WriteOptions", "pack_record", "unpack_record", "decode_stored",
-           "file_starts_with", "payload_bytes", "Writer", "Reader", "RecordFile", "RecordBlob", "FormatSpec"]
+           "file_starts_with", "payload_bytes", "inside", "contained", "Writer", "Reader", "RecordFile",
+           "RecordBlob", "FormatSpec"]
+
+def inside(root: Path, rel: str | Path) -> Path:
+    """``root / rel`` with symlinks resolved; a FormatError when that lies outside
+    ``root`` (a dataset is a closed world: nothing it names may reach other files)."""
+    try:
+        base = root.resolve()
+        p = (root / rel).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise FormatError(f"{root}: cannot resolve {str(rel)!r} ({exc})") from None
+    if p != base and base not in p.parents:
+        raise FormatError(f"{root}: {str(rel)!r} leads outside the dataset (to {p}); refusing to read it. "
+                          f"A packed dataset must not hold symlinks to other places; re-pack it")
+    return p
+
+
+def contained(root: Path, rel: str, checked: set[str]) -> Path:
+    """``root/rel`` for a file read per sample: its folder is resolved once (remembered in
+    ``checked``), the file itself only when it is a symlink; outside ``root``: FormatError."""
+    folder = rel.rpartition("/")[0]
+    if folder not in checked:
+        inside(root, folder)
+        checked.add(folder)
+    path = root / rel
+    return inside(root, rel) if os.path.islink(path) else path
 
 
 @dataclass(frozen=True)
@@ -165,7 +190,7 @@ class Reader(ABC):
     @classmethod
     def read_manifest(cls, path: Path) -> Manifest:
         mpath = path / MANIFEST_NAME
-        text = limits.read_regular(mpath, limits.MAX_MANIFEST_BYTES, lambda m: FormatError(
+        text = limits.read_regular(inside(path, MANIFEST_NAME), limits.MAX_MANIFEST_BYTES, lambda m: FormatError(
             f"{m}; is this a dataset packed by packio?"))
         return Manifest.from_json(text, str(mpath))
 
@@ -192,8 +217,43 @@ class Reader(ABC):
         if self._pid != os.getpid():
             if self._pid is not None:
                 self._drop_handles()
+            self._check_id()  # before: a replaced dataset is this clear error, not some mismatch found on opening
             self._open()
             self._pid = os.getpid()
+            try:
+                self._h_root = _identity(self.path)
+                self._check_id()  # after: the handles belong to the dataset this reader describes
+            except BaseException:
+                self.close()
+                raise
+
+    def _check_id(self) -> None:
+        if not self.manifest.source.get("foreign") and self._stored_id() != self.manifest.id:
+            raise self._replaced()
+
+    def _stored_id(self) -> str:
+        """The id of the dataset now at ``self.path`` (from the first bytes of a folder's
+        manifest; a format keeping its manifest elsewhere reads it its own way)."""
+        try:
+            if type(self).read_manifest.__func__ is Reader.read_manifest.__func__:  # type: ignore[attr-defined]
+                return manifest_id(inside(self.path, MANIFEST_NAME))
+            return self.read_manifest(self.path).id
+        except (OSError, FormatError):
+            raise self._replaced() from None
+
+    def _replaced(self) -> DatasetReplacedError:
+        return DatasetReplacedError(f"{self.path} was replaced or removed (another 'packio convert --overwrite'?) "
+                                    f"after this reader opened it; open the dataset again")
+
+    def _check_root(self) -> None:
+        """For files opened lazily by path: raise when the folder the handles came from
+        is no longer the one at ``self.path`` (records of one dataset, images of another)."""
+        try:
+            same = _identity(self.path) == self._h_root
+        except OSError:
+            same = False
+        if not same:
+            raise self._replaced()
 
     @abstractmethod
     def _open(self) -> None: ...
@@ -213,6 +273,10 @@ class Reader(ABC):
         return [self.read(i) for i in indices]
 
     cheap_gather: bool = False  # True: reading a batch from a page-cached map beats sending it between processes
+
+    def check_stored(self) -> list[str]:
+        """Problems in stored data that ``manifest.files`` does not cover (for verify)."""
+        return []
 
     def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
         """Whole-batch fast path of fixed-shape raw formats: ``image`` uint8[B, H, W, 3],
@@ -239,6 +303,11 @@ class Reader(ABC):
         return state
 
 
+def _identity(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 class RecordFile:
     """Records of formats that keep them apart from the payloads: one msgpack blob
     per sample concatenated in ``records.bin`` with ``records.idx.npy`` offsets."""
@@ -263,8 +332,8 @@ class RecordFile:
     def load(cls, root: Path, count: int) -> tuple[np.ndarray, "RecordBlob"]:
         """The offsets (in memory, checked whole) and the blob (read with pread: a map of
         it would kill the process with SIGBUS if the file were truncated while open)."""
-        idx = limits.load_npy(root / cls.IDX, "<i8", (count + 1,))
-        blob = RecordBlob(root / cls.BIN)
+        idx = limits.load_npy(inside(root, cls.IDX), "<i8", (count + 1,))
+        blob = RecordBlob(inside(root, cls.BIN))
         if count and (idx[0] != 0 or idx[-1] > blob.size or bool(np.any(np.diff(idx) < 0))):
             blob.close()
             raise FormatError(f"{root}: record index does not fit {cls.BIN} ({blob.size} bytes); "

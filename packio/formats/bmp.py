@@ -12,7 +12,8 @@ from typing import Any
 
 from packio import limits
 from packio.errors import CorruptSampleError
-from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, contained, decode_stored,
+                                 payload_bytes)
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -57,21 +58,27 @@ class BMPReader(Reader):
 
     def _open(self) -> None:
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
+        self._h_dirs: set[str] = set()  # image folders checked to lie inside the dataset
 
     def _drop_handles(self) -> None:
         self.__dict__.pop("_h_idx", None)
         self.__dict__.pop("_h_blob", None)
+        self.__dict__.pop("_h_dirs", None)
 
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
         key = str(rec.get("key", f"#{i}")) if isinstance(rec, dict) else f"#{i}"
-        if not (self.path / _rel(i)).exists():
+        path = contained(self.path, _rel(i), self._h_dirs)
+        if not path.exists():
+            self._check_root()  # gone because the dataset was replaced?
             raise CorruptSampleError(key, f"{_rel(i)} is missing")
         # A FIFO in its place is refused without blocking; a huge file before it is read.
-        payload = limits.read_regular(self.path / _rel(i), limits.MAX_PAYLOAD_BYTES,
-                                      lambda m: CorruptSampleError(key, m))
+        try:
+            payload = limits.read_regular(path, limits.MAX_PAYLOAD_BYTES, lambda m: CorruptSampleError(key, m))
+        finally:
+            self._check_root()  # the image came from the dataset the records were read from
         return decode_stored(rec, payload, f"#{i}")
 
 

@@ -33,6 +33,33 @@ __all__ = ["HDF5Writer", "HDF5Reader", "FORMAT"]
 ATTR = "packio_manifest"
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _FLUSH = 256
+ARRAYS = ("images", "images_bytes", "offsets", "labels", "boxes", "box_labels", "box_offsets", "records",
+          "record_offsets")
+HASHED = ARRAYS[2:]  # digests in the manifest for verify; every sample's checksum covers its image bytes
+
+
+def _contained(f: h5py.File, name: str, where: Path) -> h5py.Dataset | None:
+    """``f[name]`` if it is a plain dataset stored in this file; refuses links, external
+    raw storage and virtual layouts (each can return bytes of other files)."""
+    link = f.get(name, getlink=True)
+    if link is None:
+        return None
+    d = f[name] if isinstance(link, h5py.HardLink) else None
+    if not isinstance(d, h5py.Dataset) or d.is_virtual or d.external:
+        raise FormatError(f"{where}: {name!r} is a link, a virtual dataset or external storage, which can read "
+                          f"other files; refusing it (packio writes plain datasets: re-pack the data)")
+    return d
+
+
+def array_digest(d: h5py.Dataset, block: int = 1 << 24) -> str:
+    """xxh3_128 of a dataset's bytes in C order, read in blocks of about ``block`` bytes."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    step = max(1, block // max(1, d.dtype.itemsize * int(np.prod(d.shape[1:], dtype=np.int64))))
+    for a in range(0, d.shape[0], step):
+        h.update(np.ascontiguousarray(d[a:a + step]).data)
+    return h.hexdigest()
 
 
 def _append(f: h5py.File, open_sets: dict[str, h5py.Dataset], name: str, data: np.ndarray,
@@ -102,10 +129,12 @@ class HDF5Writer(Writer):
 
     def close(self) -> dict[str, Any]:
         self._flush()
+        digests = {n: array_digest(self._f[n]) for n in HASHED if n in self._f}
         _close(self._f)
         return {"layout": "see packio/formats/hdf5.py: images_bytes+offsets or images[N,H,W,3]; labels; "
                           "boxes+box_labels+box_offsets; records+record_offsets (msgpack)",
-                "fixed_shape": list(self.options.fixed_shape) if self.options.fixed_shape else None}
+                "fixed_shape": list(self.options.fixed_shape) if self.options.fixed_shape else None,
+                "digests": digests}
 
     def abort(self) -> None:
         _discard(self._f)
@@ -232,6 +261,8 @@ class HDF5Reader(Reader):
             raise FormatError(f"{self.path}: cannot open as HDF5 ({exc})") from None
         self._h_f, self._h_size = f, size
         n = self.manifest.count
+        for name in ARRAYS:
+            _contained(f, name, self.path)
         self._h_fixed = n > 0 and "images" in f
         self._h_records = _array(f, "records", "|u1", (None,), size) if n else None
         self._h_recoff = _offsets(f, "record_offsets", n, size, len(self._h_records) if n else 0)
@@ -252,6 +283,32 @@ class HDF5Reader(Reader):
     def _drop_handles(self) -> None:
         for k in [k for k in self.__dict__ if k.startswith("_h_")]:
             del self.__dict__[k]
+
+    def _stored_id(self) -> str:
+        try:
+            if "_h_f" not in self.__dict__:
+                return self.read_manifest(self.path).id
+            return Manifest.from_json(self._h_f.attrs.get(ATTR, ""), str(self.path)).id
+        except (OSError, FormatError):
+            raise self._replaced() from None
+
+    def check_stored(self) -> list[str]:
+        """The label, box, record and offset arrays against their digests in the manifest."""
+        self._ensure_open()
+        digests = self.manifest.extra.get("digests")
+        if not isinstance(digests, dict):
+            return ["arrays: no digests in the manifest (packed by an older packio); re-pack to protect them"]
+        out = []
+        for name in HASHED:
+            d = _contained(self._h_f, name, self.path)
+            if d is None:
+                if name in digests:
+                    out.append(f"{name}: missing")
+            elif name not in digests:
+                out.append(f"{name}: not in the manifest's digests")
+            elif array_digest(d) != digests[name]:
+                out.append(f"{name}: checksum differs")
+        return out
 
     def _check_size(self) -> None:
         """HDF5 reads past the end of its file as zeros: a file cut under an open reader

@@ -16,7 +16,7 @@ import numpy as np
 
 from packio import limits
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, pack_record,
+from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, pack_record,
                                  payload_bytes, unpack_record)
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -88,36 +88,38 @@ class LMDBWriter(Writer):
         self._env.close()
 
 
-_ENVS: dict[str, list] = {}  # realpath -> [environment, readers using it]
+_ENVS: dict[tuple[str, str], list] = {}  # (realpath, dataset id) -> [environment, readers using it]
 _ENVS_PID: list[int] = [0]
 
 
-def _shared_env(path: Path) -> lmdb.Environment:
-    """One environment per path per process, shared by its readers: py-lmdb refuses
+def _shared_env(path: Path, ident: str) -> lmdb.Environment:
+    """One environment per dataset per process, shared by its readers: py-lmdb refuses
     to open a path twice in a process, and a forked child inherits the parent's open
-    ones, which it must close before opening its own."""
+    ones, which it must close before opening its own. Keyed by the dataset's id too:
+    a dataset replaced at the same path must not be served the old one's environment."""
     if _ENVS_PID[0] != os.getpid():
         for env, _ in _ENVS.values():
             env.close()
         _ENVS.clear()
         _ENVS_PID[0] = os.getpid()
-    key = os.path.realpath(path)
+    key = (os.path.realpath(path), ident)
     if key not in _ENVS:
         # lock=False: readers never write; readahead stays on (shared/PERF-NOTES.md:
         # LMDB lost 32-41% cold with readahead=False on this kind of machine).
-        _ENVS[key] = [lmdb.open(key, readonly=True, lock=False, subdir=True, readahead=True,
+        _ENVS[key] = [lmdb.open(key[0], readonly=True, lock=False, subdir=True, readahead=True,
                                 meminit=False, max_readers=2048), 0]
     _ENVS[key][1] += 1
     return _ENVS[key][0]
 
 
-def _release_env(path: Path) -> None:
-    entry = _ENVS.get(os.path.realpath(path))
+def _release_env(path: Path, ident: str) -> None:
+    key = (os.path.realpath(path), ident)
+    entry = _ENVS.get(key)
     if entry is not None and _ENVS_PID[0] == os.getpid():
         entry[1] -= 1
         if entry[1] <= 0:
             entry[0].close()
-            del _ENVS[os.path.realpath(path)]
+            del _ENVS[key]
 
 
 def _maps_of(fd: int, path: Path) -> list[tuple[int, int]]:
@@ -178,10 +180,10 @@ class LMDBReader(Reader):
                 f"u32le length | msgpack record | image bytes"]
 
     def _open(self) -> None:
-        data = self.path / "data.mdb"
+        data = inside(self.path, "data.mdb")
         limits.file_size(data, lambda m: FormatError(f"{m}; this LMDB dataset is incomplete"))  # never blocks
         try:
-            env = _shared_env(self.path)
+            env = _shared_env(self.path, self.manifest.id)
             self._h_txn = env.begin(buffers=True)
             info, st = env.info(), env.stat()  # both from the meta pages, which LMDB read with pread
         except lmdb.Error as exc:
@@ -235,7 +237,7 @@ class LMDBReader(Reader):
             guard.close()
         if txn is not None and self._pid == os.getpid():
             txn.abort()
-            _release_env(self.path)
+            _release_env(self.path, self.manifest.id)
 
     def read(self, i: int) -> Sample:
         i = self.check_index(i)

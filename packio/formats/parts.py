@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from packio.errors import FormatError
-from packio.formats.base import FormatSpec, Reader
+from packio.formats.base import FormatSpec, Reader, inside
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -30,9 +30,9 @@ class MultiPartReader(Reader):
             raise FormatError(f"{path}: manifest 'parts' is malformed; re-pack the dataset")
         self.parts: list[Reader] = []
         for p in parts:
-            sub = (path / p["path"]).resolve()
-            if path.resolve() not in sub.parents:
-                raise FormatError(f"{path}: part {p['path']!r} lies outside the dataset; refusing it")
+            sub = inside(path, p["path"])
+            if sub == path.resolve():
+                raise FormatError(f"{path}: part {p['path']!r} is the dataset itself; re-pack the dataset")
             reader = spec.reader(sub, spec.reader.read_manifest(sub))
             if len(reader) != p["count"]:
                 raise FormatError(f"{sub}: holds {len(reader)} samples, the manifest says {p['count']}")

@@ -23,7 +23,7 @@ import numpy as np
 from packio import limits
 from packio.decode import sniff
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOptions, Writer, decode_stored,
+from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside,
                                  pack_record, payload_bytes, unpack_record)
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
@@ -242,9 +242,14 @@ class TarReader(Reader):
     def __init__(self, path: Path, manifest: Manifest, shards: list[Path] | None = None,
                  index: np.ndarray | None = None, foreign: dict[int, tuple[str, int]] | None = None) -> None:
         super().__init__(path, manifest)
-        self.shards = shards if shards is not None else [path / s for s in manifest.extra.get("shards", [])]
+        if shards is None:
+            names = manifest.extra.get("shards", [])
+            if not isinstance(names, list) or not all(isinstance(s, str) for s in names):
+                raise FormatError(f"{path}: manifest 'shards' is not a list of file names; re-pack the dataset")
+            shards = [inside(path, s) for s in names]
+        self.shards = shards
         if index is None:  # the header's shape must be the manifest's count, and fit the file
-            index = limits.load_npy(path / INDEX, "<i8", (manifest.count, 5))
+            index = limits.load_npy(inside(path, INDEX), "<i8", (manifest.count, 5))
         if index.dtype != np.int64 or index.shape != (manifest.count, 5) or (
                 len(index) and not (0 <= index[:, 0].min() and index[:, 0].max() < len(self.shards))):
             raise FormatError(f"{path}: {INDEX} does not match the manifest ({manifest.count} samples, "
@@ -286,7 +291,7 @@ class TarReader(Reader):
         """Open shards written by another tool: scan members once, build the index."""
         p = Path(path)
         if p.is_dir():
-            shards = sorted(p.glob("*.tar"))
+            shards = [inside(p, s.name) for s in sorted(p.glob("*.tar"))]
         elif "{" in path:
             shards = [Path(s) for s in _expand(path)]
         else:
@@ -316,6 +321,8 @@ class TarReader(Reader):
         if shard not in fds:
             fd = limits.open_regular(self.shards[shard])
             fds[shard] = (fd, os.fstat(fd).st_size)
+            if self.foreign is None:
+                self._check_root()  # a shard opened late must come from the dataset the index describes
         return fds[shard]
 
     def _drop_handles(self) -> None:
