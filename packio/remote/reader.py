@@ -216,6 +216,11 @@ class RemoteTarReader(TarReader):
     def __str__(self) -> str:
         return self.store.url
 
+    def _stored_id(self) -> str:
+        """The cache folder is named by this manifest's digest: it holds this dataset and
+        no other. (A dataset replaced at the URL shows up as shards failing their checksum.)"""
+        return self.manifest.id
+
     def fetch_all(self) -> Path:
         """Download (and check) every file of the dataset into the cache; its folder there."""
         for name, info in self.files.items():
