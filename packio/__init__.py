@@ -22,6 +22,7 @@ _LAZY = {
     "PackioError": "packio.errors", "SourceError": "packio.errors", "FormatError": "packio.errors",
     "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors", "StateError": "packio.errors",
     "OutputBusyError": "packio.errors", "DatasetReplacedError": "packio.errors",
+    "RemoteError": "packio.errors",
     "open_dataset": "packio.datasets", "PackedDataset": "packio.datasets",
     "PackedIterableDataset": "packio.datasets", "DataLoader": "packio.loading",
     "ResumableSampler": "packio.datasets",

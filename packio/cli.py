@@ -105,15 +105,20 @@ def _cmd_info(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
+    from packio.remote import is_url
+
     p = Path(a.path)
-    size = disk_bytes(p)
+    if is_url(a.path):  # what the manifest lists; nothing is downloaded to count it
+        size = sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict))
+    else:
+        size = disk_bytes(p)
     print(f"path:     {a.path}")
     print(f"format:   {m.format} (layout version {m.version})")
     print(f"samples:  {m.count}")
-    print(f"bytes:    {size} ({size / 1e6:.1f} MB on disk)")
+    print(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
     print(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
-    for line in describe_output(p, m):
-        print(line)
+    for line in describe_output(reader.path if is_url(a.path) else p, m):  # a URL: its cache folder, named as the URL
+        print(line.replace(str(reader.path), a.path) if is_url(a.path) else line)
     shape = m.image.get("shape")
     print(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
     print(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))

@@ -71,7 +71,7 @@ class Summary:
         skipped = sum(self.skipped.values())
         lines = [f"packed {self.packed} samples into {self.output} ({self.format}, "
                  f"{self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s"]
-        if self.manifest is not None:
+        if self.manifest is not None and "://" not in self.output:  # a URL: 'packio info URL' describes it
             lines += describe_output(Path(self.output), self.manifest)
         if self.info.get("workers"):
             lines.append(f"workers:  {self.info['workers']}")
@@ -360,6 +360,13 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     it, unless ``follow_symlinks``; every skipped entry is counted. SIGTERM / SIGHUP
     remove the temporary output as Ctrl-C does.
     """
+    args = dict(locals())  # every parameter, first thing: a URL destination passes them on
+    from packio.remote import is_url
+
+    if is_url(dst):  # pack locally; upload shards as they finish, the manifest last (packio[remote])
+        from packio.remote.upload import convert_to_url
+
+        return convert_to_url(convert, **args)
     t0 = time.perf_counter()
     src, dst = Path(src), Path(str(dst).rstrip("/"))
     spec = output_format(dst, format)

@@ -295,6 +295,8 @@ class PackedIterableDataset(_Resumable, IterableDataset):
             p = self._worker_pass(info.id, info.num_workers, chunk)
             seq = worker_slice(p.split.sequence(), info.id, info.num_workers, chunk)
         self._pass = p
+        if hasattr(self.reader, "plan"):  # remote shards: fetched whole, in this order, prefetched
+            self.reader.plan(seq[p.taken:])
         return self._stream(seq, p)
 
     def _worker_pass(self, worker: int, workers: int, chunk: int) -> _Pass:
@@ -397,9 +399,21 @@ class ResumableSampler(_Resumable, torch.utils.data.Sampler[int]):
         self._end(p)
 
 
-def open_dataset(path: str | Path, *, iterable: bool = False, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
-    """Open any packed dataset (the format comes from its manifest)."""
-    return (PackedIterableDataset if iterable else PackedDataset)(path, **kwargs)
+def open_dataset(path: str | Path, *, iterable: bool = False, cache_dir: str | Path | None = None,
+                 cache_limit: int | str | None = None, storage_options: dict[str, Any] | None = None,
+                 **kwargs: Any) -> PackedDataset | PackedIterableDataset:
+    """Open any packed dataset (the format comes from its manifest). A URL (``s3://``,
+    ``https://``, any fsspec URL) reads through a local cache: see :func:`packio.remote.open_url`."""
+    from packio.remote import is_url
+
+    cls = PackedIterableDataset if iterable else PackedDataset
+    if not is_url(path):
+        return cls(path, **kwargs)
+    from packio.remote import open_url
+
+    ds = cls(open_url(path, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options), **kwargs)
+    ds.path = str(path)
+    return ds
 
 
 _FORMAT_CLASSES: dict[str, type] = {}

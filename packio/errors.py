@@ -45,3 +45,8 @@ class CorruptSampleError(PackioError):
 
 class StateError(PackioError, ValueError):
     """A resume state that cannot continue this dataset or sampler exactly."""
+
+
+class RemoteError(PackioError):
+    """A remote dataset (s3://, https://, ...) cannot be read or written: missing
+    object, checksum mismatch, the store unreachable after retries, or no client."""

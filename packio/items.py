@@ -20,7 +20,7 @@ import torch
 from packio import decode as dec
 from packio import geometry as geo
 from packio.collation import batch_buffer
-from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError
+from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
 from packio.formats.base import Reader
 from packio.sample import Sample, checksum
@@ -53,7 +53,7 @@ class ErrorPolicy:
         self.count = 0
 
     def __call__(self, exc: PackioError) -> None:
-        if self.on_error == "raise" or isinstance(exc, DatasetReplacedError):  # not one bad sample: all are
+        if self.on_error == "raise" or isinstance(exc, (DatasetReplacedError, RemoteError)):  # not one bad sample
             raise exc
         self.count += 1
         if self.count == 1 or self.count % 100 == 0:

@@ -15,7 +15,7 @@ PUBLIC = [
     "ArrayDataset", "ArrayIterableDataset", "BMPDataset", "BMPIterableDataset", "CorruptSampleError",
     "DataLoader", "DatasetReplacedError", "FormatError", "HDF5Dataset", "HDF5IterableDataset", "LMDBDataset",
     "LMDBIterableDataset", "Manifest", "OutputBusyError", "OutputExistsError", "PackedDataset", "PackedIterableDataset",
-    "PackioError", "ResizeSpec", "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset",
+    "PackioError", "RemoteError", "ResizeSpec", "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset",
     "TarIterableDataset", "collate",
     "convert", "open_dataset", "open_reader", "tune", "verify",
 ]

@@ -80,9 +80,18 @@ def is_packed(path: str | Path) -> bool:
     return (p / MANIFEST_NAME).is_file() or _claimed_by(path) is not None
 
 
-def open_reader(path: str | Path) -> Reader:
+def open_reader(path: str | Path | Reader) -> Reader:
     """Open a packed dataset: by its manifest, or by the first format whose reader
-    claims the path (an HDF5 file, tar shards written by any tool)."""
+    claims the path (an HDF5 file, tar shards written by any tool); a URL through
+    packio.remote (cache settings from the environment); a Reader as is."""
+    from packio.remote import is_url
+
+    if isinstance(path, Reader):
+        return path
+    if is_url(path):
+        from packio.remote import open_url
+
+        return open_url(path)
     p = Path(path)
     if p.is_dir() and (p / MANIFEST_NAME).is_file():
         manifest = Reader.read_manifest(p)
