@@ -11,14 +11,14 @@ import functools
 import io
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from packio import geometry as geo
 from packio import limits
 
-__all__ = ["MAX_PIXELS", "sniff", "image_size", "check_pixels", "exif_orientation", "stored_hw", "available_backends",
+__all__ = ["MAX_PIXELS", "sniff", "image_size", "check_pixels", "jpeg_segments", "exif_orientation", "stored_hw", "available_backends",
            "CorruptImageError", "decode", "check_decode", "output_problem", "ResizeSpec", "resize", "apply_spec",
            "encode"]
 
@@ -81,25 +81,37 @@ def check_pixels(w: int, h: int, max_pixels: int | None = None) -> None:
                          f"(packio.limits.MAX_PIXELS)")
 
 
-def _jpeg_has_exif(data: bytes | memoryview) -> bool:
-    """Whether a JPEG's header segments (before its scan data) hold an APP1 Exif block."""
-    i, n = 2, len(data)
+def jpeg_segments(data: bytes | memoryview) -> Iterator[tuple[int, int, int]]:
+    """``(marker, offset, length)`` of each header segment of a JPEG, in order, up to its
+    first scan; stops quietly at anything that is not a well-formed segment. ``offset`` is
+    where the segment's 0xFF is; ``length`` its length field. Bounded by ``len(data)``."""
+    b = memoryview(data).cast("B")
+    n = len(b)
+    if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
+        return
+    i = 2
     while i + 4 <= n:
-        if data[i] != 0xFF:
-            return False
-        marker = data[i + 1]
+        if b[i] != 0xFF:
+            return
+        marker = b[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
             continue
-        if marker in (0xDA, 0xD9):  # start of scan / end of image: no header segments after
-            return False
         if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
             i += 2
             continue
-        if marker == 0xE1 and bytes(data[i + 4:i + 10]) == b"Exif\0\0":
-            return True
-        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
-    return False
+        if marker in (0xDA, 0xD9):  # start of scan / end of image: no header segments after
+            return
+        length = (b[i + 2] << 8) | b[i + 3]
+        if length < 2:
+            return
+        yield marker, i, length
+        i += 2 + length
+
+
+def _jpeg_has_exif(data: bytes | memoryview) -> bool:
+    """Whether a JPEG's header segments (before its scan data) hold an APP1 Exif block."""
+    return any(m == 0xE1 and bytes(data[i + 4:i + 10]) == b"Exif\0\0" for m, i, _ in jpeg_segments(data))
 
 
 def exif_orientation(data: bytes | memoryview) -> int:

@@ -38,33 +38,14 @@ class JpegHeader(NamedTuple):
 
 
 def jpeg_header(data: Blob) -> JpegHeader | None:
-    """The frame header of a JPEG, or ``None`` when ``data`` is not a readable JPEG.
-    Walks the marker segments up to the first SOF; bounded by ``len(data)``."""
-    b = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-    n = len(b)
-    if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
-        return None
-    i = 2
-    while i + 4 <= n:
-        if b[i] != 0xFF:
-            return None
-        m = b[i + 1]
-        if m == 0xFF:  # fill byte
-            i += 1
-            continue
-        if m == 0x01 or 0xD0 <= m <= 0xD7:  # markers without a length
-            i += 2
-            continue
-        if m in (0xD9, 0xDA):  # end of image / start of scan before any frame header
-            return None
-        length = (b[i + 2] << 8) | b[i + 3]
-        if length < 2:
-            return None
+    """The frame header of a JPEG, or ``None`` when ``data`` is not a readable JPEG
+    (the first SOF segment found by :func:`packio.decode.jpeg_segments`)."""
+    b = memoryview(data).cast("B")
+    for m, i, length in cpu.jpeg_segments(b):
         if m in _SOF:
-            if i + 10 > n or length < 8:
+            if i + 10 > len(b) or length < 8:
                 return None
             return JpegHeader(m, b[i + 4], (b[i + 5] << 8) | b[i + 6], (b[i + 7] << 8) | b[i + 8], b[i + 9])
-        i += 2 + length
     return None
 
 
