@@ -140,14 +140,10 @@ def dist_info(rank: int | None = None, world: int | None = None) -> tuple[int, i
     training process), never in a DataLoader worker: there torch.distributed is not
     initialised, whatever the start method."""
     if rank is None or world is None:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                rank = dist.get_rank() if rank is None else rank
-                world = dist.get_world_size() if world is None else world
-        except ImportError:
-            pass
+        got = _torch_dist()
+        if got is not None:
+            rank = got[0] if rank is None else rank
+            world = got[1] if world is None else world
     rank = check_int("rank", 0 if rank is None else rank, 0)
     world = check_int("world_size", 1 if world is None else world, 1)
     if rank >= world:
@@ -157,13 +153,18 @@ def dist_info(rank: int | None = None, world: int | None = None) -> tuple[int, i
 
 def dist_world() -> int | None:
     """torch.distributed's world size when initialised (a check, not a source of truth)."""
+    got = _torch_dist()
+    return None if got is None else got[1]
+
+
+def _torch_dist() -> tuple[int, int] | None:
+    """(rank, world size) from torch.distributed when it is initialised, else None."""
     try:
         import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
     except ImportError:
-        pass
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     return None
 
 

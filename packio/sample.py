@@ -16,7 +16,7 @@ import numpy as np
 from packio import limits
 from packio.errors import CorruptSampleError
 
-__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "Sample", "sample_from_record", "unstorable"]
+__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "is_coord", "Sample", "sample_from_record", "unstorable"]
 
 ENCODINGS = ("jpeg", "png", "bmp", "webp", "raw")
 EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "webp": "webp", "raw": "npy"}
@@ -83,7 +83,7 @@ def _is_int(v: Any) -> bool:
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _is_coord(v: Any) -> bool:
+def is_coord(v: Any) -> bool:
     """A number a float32 box can hold: finite, not overflowing to inf."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= _F32_MAX
 
@@ -115,7 +115,7 @@ def sample_from_record(rec: Any, payload: bytes | np.ndarray) -> Sample:
     if len(boxes) > limits.MAX_BOXES:
         raise _fail(rec, f"{len(boxes)} boxes, over packio's limit of {limits.MAX_BOXES}")
     for b in boxes:
-        if not isinstance(b, list) or len(b) != 4 or not all(_is_coord(v) for v in b):
+        if not isinstance(b, list) or len(b) != 4 or not all(is_coord(v) for v in b):
             raise _fail(rec, f"box {b!r} is not four finite float32 numbers")
     if not all(_is_int(v) and -1 <= v <= limits.INT64_MAX for v in box_labels):
         raise _fail(rec, "'box_labels' holds something other than -1 or an int64 class index")

@@ -26,6 +26,7 @@ import numpy as np
 
 from packio import geometry as geo
 from packio.errors import SourceError
+from packio.sample import is_coord
 
 __all__ = ["SourceItem", "Scan", "parse_columns", "boxes_to_stored_frame", "read_image_file", "scan_source"]
 
@@ -278,7 +279,7 @@ def _box(row: dict[str, str], cols: dict[str, str], scan: Scan, where: str) -> l
     except ValueError:
         scan.skip("non-numeric box", where, ",".join(row[cols[f]] for f in BOX_FIELDS))
         return None
-    if not all(map(_finite, (x0, y0, x1, y1))) or min(x0, y0, x1, y1) < 0:
+    if not all(map(is_coord, (x0, y0, x1, y1))) or min(x0, y0, x1, y1) < 0:
         scan.skip("negative or non-finite box", where)
         return None
     if x1 < x0 or y1 < y0:
@@ -296,17 +297,10 @@ def _frame(row: dict[str, str], cols: dict[str, str], scan: Scan, where: str) ->
         w, h = (float(c) for c in cells)
     except ValueError:
         w = h = -1.0
-    if not (_finite(w) and _finite(h) and w >= 1 and h >= 1 and w == int(w) and h == int(h)):
+    if not (is_coord(w) and is_coord(h) and w >= 1 and h >= 1 and w == int(w) and h == int(h)):
         scan.skip("bad CSV width/height (not positive integers)", where, ",".join(cells))
         return None
     return int(w), int(h)
-
-
-def _finite(v: float) -> bool:
-    return v == v and abs(v) <= _F32_MAX  # what a float32 box holds: 1e39 would become inf
-
-
-_F32_MAX = 3.4028234663852886e38
 
 
 def _fits(frame: tuple[int, int], size: tuple[int, int]) -> bool:

@@ -55,11 +55,11 @@ def gpu_decodable(data: Blob) -> bool:
     h = jpeg_header(data)
     if h is None or h.sof not in _GPU_SOF or h.precision != 8 or h.components not in (1, 3):
         return False
-    try:  # a decompression bomb would allocate on the GPU; the CPU path refuses it clearly
+    try:  # empty, or a decompression bomb that would allocate on the GPU: the CPU path refuses it clearly
         cpu.check_pixels(h.width, h.height)
     except ValueError:
         return False
-    return h.height > 0 and h.width > 0
+    return True
 
 
 def _as_blob(x: Blob | torch.Tensor) -> Blob:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from packio.errors import PackioError, SourceError
-from packio.manifest import MANIFEST_NAME
+from packio.manifest import MANIFEST_NAME, disk_bytes
 
 __all__ = ["Source", "disk_bytes", "open_source"]
 
@@ -74,11 +74,6 @@ class Source:
             folder.mkdir(exist_ok=True)
             (folder / f"{i:010d}.{EXTENSIONS.get(enc, 'bin')}").write_bytes(data)
         return dst
-
-
-def disk_bytes(path: Path) -> int:
-    """Bytes on disk of a file, or of every file under a folder."""
-    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def open_source(path: str | Path, csv: str | Path | None = None) -> Source:

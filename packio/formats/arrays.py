@@ -16,7 +16,8 @@ import numpy as np
 
 from packio import limits
 from packio.errors import FormatError
-from packio.formats.base import FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored, inside
+from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored,
+                                 fixed_image_shape, inside)
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -95,11 +96,7 @@ class ArrayReader(Reader):
                 f" (numpy.load(..., mmap_mode='r'))"]
 
     def _open(self) -> None:
-        n, shape = self.manifest.count, (self.manifest.image or {}).get("shape")
-        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)
-                and shape[2] == 3 and shape[0] * shape[1] <= limits.MAX_PIXELS):
-            raise FormatError(f"{self.path}: the manifest's image shape {shape!r} is not a valid [H, W, 3] within "
-                              f"packio's pixel limit; the dataset is damaged")
+        n, shape = self.manifest.count, fixed_image_shape(self.manifest, self.path)
         images = limits.load_npy(inside(self.path, "images.npy"), "|u1", (n, *shape), mmap=True)
         self._h_guard = limits.MapGuard()
         self._h_guard.add(inside(self.path, "images.npy"), images.offset + images.nbytes if n else 0)

@@ -19,7 +19,7 @@ from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError,
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, manifest_id
 from packio.sample import Sample, sample_from_record
 
-__all__ = ["MAX_RECORD_BYTES", "NATIVE_ERRORS", "WriteOptions", "pack_record", "unpack_record", "decode_stored",
+__all__ = ["MAX_RECORD_BYTES", "NATIVE_ERRORS", "fixed_image_shape", "WriteOptions", "pack_record", "unpack_record", "decode_stored",
            "file_starts_with", "payload_bytes", "inside", "contained", "Writer", "Reader", "RecordFile",
            "RecordBlob", "FormatSpec"]
 
@@ -410,3 +410,14 @@ class FormatSpec:
         """The payload kind for this conversion: pixels when the format keeps them for
         one fixed shape (HDF5), else :attr:`payload`."""
         return "raw" if self.raw_when_fixed and fixed_shape is not None else self.payload
+
+
+def fixed_image_shape(manifest: Manifest, where: Path | str) -> tuple[int, int, int]:
+    """The manifest's one image shape ``[H, W, 3]`` of a fixed-shape raw format, checked
+    against packio's pixel limit before anything is allocated from it."""
+    shape = (manifest.image or {}).get("shape")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)
+            and shape[2] == 3 and shape[0] * shape[1] <= limits.MAX_PIXELS):
+        raise FormatError(f"{where}: the manifest's image shape {shape!r} is not a valid [H, W, 3] within "
+                          f"packio's pixel limit; the dataset is damaged")
+    return shape[0], shape[1], 3

@@ -23,6 +23,7 @@ import numpy as np
 from packio import limits
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, file_starts_with,
+                                 fixed_image_shape,
                                  pack_record, payload_bytes, unpack_record)
 from packio.formats.columns import ColumnBuffer, Columns
 from packio.manifest import Manifest
@@ -269,11 +270,7 @@ class HDF5Reader(Reader):
         if not n:  # nothing was written but the first offsets
             self._h_images = self._h_off = None
         elif self._h_fixed:
-            shape = tuple((self.manifest.image or {}).get("shape") or ())
-            if not (len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape) and shape[2] == 3
-                    and shape[0] * shape[1] <= limits.MAX_PIXELS):
-                raise FormatError(f"{self.path}: the manifest's image shape {list(shape)} is not a valid "
-                                  f"[H, W, 3] within packio's pixel limit; the file is damaged")
+            shape = fixed_image_shape(self.manifest, self.path)
             self._h_images = _array(f, "images", "|u1", (n, *shape), size)
             self._h_off = None
         else:
