@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from typing import Any
 
 __all__ = ["tune"]
@@ -14,19 +13,11 @@ def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any])
     from packio.datasets import PackedIterableDataset
     from packio.loading import DataLoader
 
+    from packio.doctor.measure import throughput
+
     shuffle = not isinstance(dataset, PackedIterableDataset)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)
-    n, t_first, deadline = 0, None, None
-    while True:
-        for batch in loader:
-            if t_first is None:  # start-up (worker spawn, first batch) is not steady state
-                t_first, deadline = time.perf_counter(), time.perf_counter() + seconds
-                continue
-            n += len(batch["label"])
-            if time.perf_counter() >= deadline:
-                return n / (time.perf_counter() - t_first)
-        if t_first is None:
-            return 0.0
+    return throughput(loader, seconds).samples_per_s
 
 
 def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list[int] | None = None,
