@@ -14,7 +14,6 @@ from packio import geometry
 from packio.cuda import (GPUTransform, PackedBoxes, center_crops, center_window, normalize, resized_crop,
                          sample_crops)
 from packio.cuda import boxes as bx
-from packio.cuda import device as devmod
 from packio.cuda.decode import cpu_decode
 from packio.cuda.transforms import _groups, image_sizes
 
@@ -54,7 +53,7 @@ def test_resized_crop_equals_per_image_interpolate(antialias):
                                atol=2e-3, rtol=0)
 
 
-def test_resized_crop_groups_very_different_sizes(monkeypatch):
+def test_resized_crop_groups_very_different_sizes():
     sizes = [(30, 40), (40, 30), (300, 20), (32, 41), (20, 300)]
     assert len(_groups(sizes)) > 1  # padding everything to 300x300 would waste too much
     imgs = images(sizes, seed=3)
@@ -63,13 +62,6 @@ def test_resized_crop_groups_very_different_sizes(monkeypatch):
     want = reference(imgs, window, (12, 12), flip)
     torch.testing.assert_close(resized_crop(imgs, window, (12, 12), flip), want, atol=2e-3, rtol=0)
 
-    def no_nested(*a, **kw):
-        raise NotImplementedError("no nested tensors here")
-
-    monkeypatch.setattr(torch.nested, "nested_tensor", no_nested)  # the per-image padding fallback
-    monkeypatch.setattr(devmod, "_warned", set())
-    with pytest.warns(RuntimeWarning, match="one copy per image"):
-        torch.testing.assert_close(resized_crop(imgs, window, (12, 12), flip), want, atol=2e-3, rtol=0)
 
 
 def test_sample_crops_follow_the_rules():

@@ -98,8 +98,10 @@ def scale(p: PackedBoxes, sx: torch.Tensor | float, sy: torch.Tensor | float) ->
 def resize(p: PackedBoxes, src_hw: torch.Tensor, dst_hw: tuple[int, int]) -> PackedBoxes:
     """Per image from ``src_hw`` (``[B, 2]`` h, w) to ``dst_hw``: ``x * w1 / w0`` in float64, as geometry does
     (an edge at ``w0`` lands exactly on ``w1``)."""
-    src = src_hw.to(torch.float64)[p.image][:, [1, 0, 1, 0]]
-    dst = torch.tensor([dst_hw[1], dst_hw[0], dst_hw[1], dst_hw[0]], dtype=torch.float64, device=p.boxes.device)
+    # (w, h, w, h) per box by flip + repeat: a list index or a tensor built on the device
+    # would be a pageable host-to-device copy, i.e. a host sync.
+    src = src_hw.to(torch.float64)[p.image].flip(-1).repeat(1, 2)
+    dst = h2d(torch.tensor([dst_hw[1], dst_hw[0], dst_hw[1], dst_hw[0]], dtype=torch.float64), p.boxes.device)
     return p._replace(boxes=(p.boxes.to(torch.float64) * dst / src).to(torch.float32))
 
 

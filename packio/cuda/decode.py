@@ -81,7 +81,7 @@ def _pool() -> ThreadPoolExecutor:
 class BatchDecoder:
     """Decode batches of encoded images to ``uint8[3, H, W]`` tensors on ``device``.
 
-    ``backend``: ``"auto"`` (nvImageCodec, else torchvision, else CPU), ``"cpu"``, a
+    ``backend``: ``"auto"`` (torchvision, else nvImageCodec, else CPU), ``"cpu"``, a
     backend name, or any object with the :class:`DecodeBackend` interface. Counts
     what went where in ``gpu_decoded`` / ``cpu_decoded``.
     """

@@ -17,14 +17,13 @@ parameters, which reach the device as pinned ``non_blocking`` copies.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from packio.cuda import boxes as bx
-from packio.cuda.device import h2d, resolve, warn_once
+from packio.cuda.device import h2d, resolve
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "GPUTransform", "center_crops", "center_window", "image_sizes", "normalize", "rand", "resample_matrix", "resized_crop", "sample_crops"]
 
@@ -151,18 +150,14 @@ def _groups(sizes: list[tuple[int, int]], waste: float = 1.5, max_groups: int = 
 
 def _canvas(images: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """``[b, C, Hmax, Wmax]`` zero-padded copy of differently sized ``[C, H, W]`` images:
-    one gather into a nested buffer and one padding kernel, not a copy per image."""
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*nested tensors is in prototype.*")
-            return torch.nested.nested_tensor(list(images), dtype=dtype).to_padded_tensor(0.0)
-    except (RuntimeError, NotImplementedError) as exc:  # a torch whose nested tensors lack this: copy per image
-        warn_once("canvas", f"packio.cuda: padding with one copy per image (nested tensors failed: {exc})")
-        hmax, wmax = max(im.shape[-2] for im in images), max(im.shape[-1] for im in images)
-        canvas = images[0].new_zeros((len(images), images[0].shape[0], hmax, wmax), dtype=dtype)
-        for k, im in enumerate(images):
-            canvas[k, :, :im.shape[-2], :im.shape[-1]] = im
-        return canvas
+    one fill and one copy kernel per image, all queued without a host sync
+    (``torch.nested.nested_tensor`` of device tensors synchronises the host, which
+    stalled an asynchronous decoder feeding this)."""
+    hmax, wmax = max(im.shape[-2] for im in images), max(im.shape[-1] for im in images)
+    canvas = images[0].new_zeros((len(images), images[0].shape[0], hmax, wmax), dtype=dtype)
+    for k, im in enumerate(images):
+        canvas[k, :, :im.shape[-2], :im.shape[-1]] = im
+    return canvas
 
 
 def _resample(canvas: torch.Tensor, window: torch.Tensor, size: tuple[int, int], flip: torch.Tensor | None,
