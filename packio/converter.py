@@ -715,7 +715,7 @@ class _Job:
     """What every part of one conversion shares."""
 
     format: str
-    options: WriteOptions
+    write_options: WriteOptions  # what the format's writer gets
     classes: list[str]
     image: dict[str, Any]
     source: dict[str, Any]
@@ -730,7 +730,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     skipped = Counter(skipped or {})
     notes = Counter(notes or {})
     problems: list[str] = []
-    writer = spec.writer(path, job.options)
+    writer = spec.writer(path, job.write_options)
     seen: set[str] = set()
     dup = 0
     done: Counter[str] = Counter()  # "jpeg kept", "bmp→jpeg", ...
@@ -868,11 +868,11 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
 
 def _part_job(job: _Job, count: int) -> _Job:
     """One part's share of the planned tar shards."""
-    o = job.options
+    o = job.write_options
     if not o.shards:
         return job
     share = max(1, math.ceil(o.shards * count / max(o.expected, 1)))
-    return dataclasses.replace(job, options=dataclasses.replace(o, shards=share, expected=count))
+    return dataclasses.replace(job, write_options=dataclasses.replace(o, shards=share, expected=count))
 
 
 def describe_output(path: Path, m: Manifest) -> list[str]:

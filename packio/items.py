@@ -29,7 +29,6 @@ from packio.sample import Sample, checksum
 __all__ = ["Items", "Decoder", "ErrorPolicy", "DecodeThreads", "read_samples"]
 
 log = logging.getLogger("packio")
-Size = int | tuple[int, int] | None
 Item = dict[str, Any]
 
 
