@@ -17,6 +17,7 @@ _LAZY = {
     "verify": "packio.verifier",
     "collate": "packio.collation",
     "ResizeSpec": "packio.decode",
+    "PackOptions": "packio.options", "DecodeOptions": "packio.options",
     "Sample": "packio.sample",
     "Manifest": "packio.manifest",
     "PackioError": "packio.errors", "SourceError": "packio.errors", "FormatError": "packio.errors",

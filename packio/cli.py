@@ -70,20 +70,21 @@ def _address(text: str) -> str:
 def _cmd_convert(a: argparse.Namespace) -> int:
     from packio.converter import convert
     from packio.decode import ResizeSpec
+    from packio.options import PackOptions
     from packio.sources import parse_columns
 
     try:
-        spec = ResizeSpec(size=a.size, short_side=a.short_side, crop=a.crop)
+        resize = ResizeSpec(size=a.size, short_side=a.short_side, crop=a.crop)
     except ValueError as exc:
         raise SystemExit(f"packio: error: {exc}") from None
+    options = PackOptions(format=a.format, resize=resize, encode=a.encode, quality=a.quality, check=a.check,
+                          shards=a.shards, shard_samples=a.shard_samples, shard_bytes=a.shard_bytes)
     columns = parse_columns(a.csv_columns)
     if a.label_column:
         columns["label"] = a.label_column
-    summary = convert(a.src, a.dst, format=a.format, csv=a.csv, columns=columns,
-                      workers=a.workers, strict=a.strict, resize=spec, encode=a.encode, quality=a.quality,
-                      overwrite=a.overwrite, shards=a.shards, shard_samples=a.shard_samples,
-                      shard_bytes=a.shard_bytes, progress=False if a.quiet else None, scheduler=a.scheduler,
-                      parts=a.parts, check=a.check, follow_symlinks=a.follow_symlinks)
+    summary = convert(a.src, a.dst, options=options, csv=a.csv, columns=columns, workers=a.workers,
+                      strict=a.strict, overwrite=a.overwrite, progress=False if a.quiet else None,
+                      scheduler=a.scheduler, parts=a.parts, follow_symlinks=a.follow_symlinks)
     shown = summary.problems if a.verbose else summary.problems[:20]
     for line in shown:
         print(f"skipped: {line}", file=sys.stderr)
@@ -179,6 +180,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from packio.formats import formats
+    from packio.options import CHECKS, ENCODE_CHOICES, RANGES
 
     table = formats()  # format names and suffixes: whatever the registry holds
     suffixes = " ".join(s for spec in table.values() for s in spec.suffixes)
@@ -210,20 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--short-side", type=_int_in(1, MAX_SIDE), metavar="N",
                    help=f"pre-resize so the short side is N, 1 to {MAX_SIDE} (keeps aspect)")
     c.add_argument("--crop", type=_parse_hw, metavar="HxW", help="center-crop to HxW after resizing")
-    c.add_argument("--encode", choices=["keep", "jpeg", "png", "bmp"], default="keep",
+    c.add_argument("--encode", choices=ENCODE_CHOICES, default="keep",
                    help="image encoding stored: 'keep' (default) stores each image's bytes as found when the "
                         "format can hold them (resized images keep their encoding); jpeg/png/bmp re-encode")
-    c.add_argument("--quality", type=_int_in(1, 100), default=90, help="JPEG quality 1 to 100 when encoding JPEG")
-    c.add_argument("--check", choices=("auto", "header", "decode"), default="auto",
+    c.add_argument("--quality", type=_int_in(*RANGES["quality"]), default=90, help="JPEG quality 1 to 100 when encoding JPEG")
+    c.add_argument("--check", choices=CHECKS, default="auto",
                    help="damaged JPEGs (libjpeg's 'corrupt data' warnings) are skipped where images are decoded "
                         "strictly: 'auto' (default) those decoded anyway (resized, re-encoded), at no extra cost; "
                         "'decode' every image (a decode each); 'header' none (headers and end markers only)")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it is a packio dataset (atomically)")
     c.add_argument("--follow-symlinks", action="store_true",
                    help="follow symlinks in SRC leading outside it, and symlinked folders (default: skipped, counted)")
-    c.add_argument("--shards", type=_int_in(1, 10**7), metavar="N",
+    c.add_argument("--shards", type=_int_in(*RANGES["shards"]), metavar="N",
                    help="tar: number of shards (default: max(8, 2 x CPUs), at least 8 samples each)")
-    c.add_argument("--shard-samples", type=_int_in(1, 10**9), metavar="N",
+    c.add_argument("--shard-samples", type=_int_in(*RANGES["shard_samples"]), metavar="N",
                    help="tar: samples per shard instead of --shards")
     c.add_argument("--shard-bytes", type=_bytes, default=1 << 30, metavar="SIZE",
                    help="tar: a shard ends at this size too, like 512M (default 1G)")

@@ -34,25 +34,20 @@ from packio.errors import FormatError, OutputBusyError, OutputExistsError, Packi
 from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, disk_bytes
+from packio.options import PackOptions, merge_options
 from packio.sample import Sample, checksum, unstorable
 from packio.sources import SourceItem, boxes_to_stored_frame, read_image_file, scan_source
 
-__all__ = ["Summary", "convert"]
+__all__ = ["Summary", "convert", "Packed", "Skipped", "output_format"]
 
 TMP_MARK = ".packio-tmp-"
 REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
-ENCODE_CHOICES = ("keep", "jpeg", "png", "bmp")
-CHECKS = ("auto", "header", "decode")
 # Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
 # workers="auto": time the first inputs here, then use processes only when each input costs at
 # least AUTO_MIN_TASK_S and the rest at least AUTO_MIN_REST_S in one process: starting a pool
 # cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (tools/bench_workers.py).
 AUTO_PROBE, AUTO_PROBE_S, AUTO_MIN_TASK_S, AUTO_MIN_REST_S = 16, 0.3, 0.002, 3.0
-# Suffixes that promise one file, where the format writes a folder: (format, what breaks, name to use).
-_FILE_SUFFIXES = {".tar": ("tar", "`tar tf` and webdataset", ".wds"),
-                  ".npy": ("arrays", "np.load", ".arrays"),
-                  ".bmp": ("bmp", "image viewers", ".bmpdir")}
 
 
 @dataclass
@@ -97,9 +92,31 @@ class _Prep:
     check: str = "auto"  # see convert(); "auto": images decoded anyway are decoded strictly
 
 
-# (sample or None, skip reason or - for a sample - what was done to it ("jpeg kept", "bmp→jpeg")
-# followed by "; "-separated notes for the summary, where)
-Result = tuple[Sample | None, str, str]
+@dataclass(frozen=True)
+class Packed:
+    """An input made into the sample to store."""
+
+    sample: Sample
+    found: str  # the encoding the input had ("raw": pixels)
+    kept: bool  # its bytes are stored as found (else decoded, and re-encoded unless stored raw)
+    where: str  # the input, for messages
+    notes: tuple[str, ...] = ()  # facts for the summary, e.g. REORIENTED
+
+    @property
+    def done(self) -> str:
+        """What was done to the image, as the manifest counts it: "jpeg kept", "bmp→jpeg"."""
+        return f"{self.found} kept" if self.kept else f"{self.found}→{self.sample.encoding}"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An input left out, and why."""
+
+    reason: str  # what the summary counts, e.g. "corrupt image data"
+    where: str  # the input, with the detail
+
+
+Result = Packed | Skipped
 
 
 def _native_errors() -> tuple[type[BaseException], ...]:
@@ -134,17 +151,17 @@ def _finish(prep: _Prep, s: Sample, where: str, orientation: int | None = None) 
             try:
                 dec.check_decode(s.payload)
             except _native_errors() as exc:
-                return None, "corrupt image data", f"{where} ({exc})"
-        return _storable(s, f"{found} kept", where)
+                return Skipped("corrupt image data", f"{where} ({exc})")
+        return _storable(Packed(s, found, True, where))
     if isinstance(s.payload, np.ndarray):
         img = s.payload
     else:
         try:  # pixels as stored; the orientation is applied below, with the boxes
             img = dec.decode(s.payload, strict=prep.check != "header", max_pixels=prep.max_pixels)
         except _native_errors() as exc:
-            return None, "corrupt image data", f"{where} ({exc})"
+            return Skipped("corrupt image data", f"{where} ({exc})")
     if prep.resize.active and (why := dec.output_problem(prep.resize, *img.shape[:2], to, prep.max_pixels)):
-        return None, "resize target too large", f"{where} ({why})"
+        return Skipped("resize target too large", f"{where} ({why})")
     boxes, box_labels = s.boxes, s.box_labels
     try:
         if orientation != 1:
@@ -153,50 +170,50 @@ def _finish(prep: _Prep, s: Sample, where: str, orientation: int | None = None) 
         if prep.resize.active:
             img, boxes, box_labels = dec.apply_spec(img, boxes, box_labels, prep.resize)
         if prep.shape is not None and img.shape[:2] != prep.shape:
-            return None, "image shape differs from the dataset's fixed shape", f"{where} ({img.shape[1]}x{img.shape[0]})"
+            return Skipped("image shape differs from the dataset's fixed shape", f"{where} ({img.shape[1]}x{img.shape[0]})")
         # only turned upright (same encoding, no resize): a lossy source is re-encoded at high quality
         quality = max(prep.quality, 95) if to == found and not prep.resize.active else prep.quality
         payload = img if to == "raw" else dec.encode(img, to, quality)
     except _native_errors() as exc:
-        return None, "cannot resize or encode", f"{where} ({type(exc).__name__}: {exc})"
+        return Skipped("cannot resize or encode", f"{where} ({type(exc).__name__}: {exc})")
     meta = dict(s.meta, exif_orientation=orientation) if orientation != 1 else s.meta
     out = Sample(key=s.key, payload=payload, encoding=to, label=s.label, boxes=boxes,
                  box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=meta)
     out.checksum = checksum(out.payload)
-    return _storable(out, f"{found}→{to}" + (f"; {REORIENTED}" if orientation != 1 else ""), where)
+    return _storable(Packed(out, found, False, where, (REORIENTED,) if orientation != 1 else ()))
 
 
-def _storable(s: Sample, done: str, where: str) -> Result:
-    """The sample (and what was done to it), or a skip when a reader would refuse what it stores."""
-    problem = unstorable(s)
+def _storable(p: Packed) -> Result:
+    """``p``, or a skip when a reader would refuse what it stores."""
+    problem = unstorable(p.sample)
     if problem is not None:
-        return None, problem[0], f"{where} ({problem[1]})"
-    return s, done, where
+        return Skipped(problem[0], f"{p.where} ({problem[1]})")
+    return p
 
 
 def _prepare_file(prep: _Prep, item: SourceItem) -> Result:
     data, reason, detail = read_image_file(item.path, limits.MAX_INPUT_BYTES)
     if data is None:
-        return None, reason, f"{item.path} ({detail})" if detail else item.path
+        return Skipped(reason, f"{item.path} ({detail})" if detail else item.path)
     enc = dec.sniff(data)
     try:
         w, h = dec.image_size(data, enc)
     except Exception as exc:  # header parsers raise many types on garbage
-        return None, "corrupt image header", f"{item.path} ({exc})"
+        return Skipped("corrupt image header", f"{item.path} ({exc})")
     if w <= 0 or h <= 0 or w * h > prep.max_pixels:
-        return None, "image too large (decompression bomb guard)", f"{item.path} ({w}x{h})"
+        return Skipped("image too large (decompression bomb guard)", f"{item.path} ({w}x{h})")
     if enc == "jpeg" and b"\xff\xd9" not in data[-4096:]:
-        return None, "truncated JPEG (no end marker)", item.path
+        return Skipped("truncated JPEG (no end marker)", item.path)
     orientation = dec.exif_orientation(data)
     placed = boxes_to_stored_frame(item, w, h, orientation)
     if isinstance(placed, str):
-        return None, "CSV width/height fit neither the image nor its EXIF-upright view", f"{item.path} ({placed})"
+        return Skipped("CSV width/height fit neither the image nor its EXIF-upright view", f"{item.path} ({placed})")
     boxes, notes = placed
     s = Sample(key=item.key, payload=data, encoding=enc, label=item.label, boxes=boxes,
                box_labels=np.asarray(item.box_labels, np.int64), width=w, height=h)
     s.checksum = checksum(data)
-    out, note, where = _finish(prep, s, item.path, orientation)
-    return out, "; ".join(filter(None, [note, *notes])) if out is not None else note, where
+    out = _finish(prep, s, item.path, orientation)
+    return dataclasses.replace(out, notes=(*out.notes, *filter(None, notes))) if isinstance(out, Packed) else out
 
 
 def _prepare_packed(prep: _Prep, index: int) -> Result:
@@ -204,9 +221,9 @@ def _prepare_packed(prep: _Prep, index: int) -> Result:
     try:
         s = prep.reader.read(index)
     except PackioError as exc:
-        return None, "corrupt sample in the source dataset", f"#{index} ({exc})"
+        return Skipped("corrupt sample in the source dataset", f"#{index} ({exc})")
     if s.checksum and checksum(s.payload) != s.checksum:  # never launder damage into a fresh checksum
-        return None, "corrupt sample in the source dataset", f"#{index} {s.key} (checksum mismatch)"
+        return Skipped("corrupt sample in the source dataset", f"#{index} {s.key} (checksum mismatch)")
     return _finish(prep, s, s.key)
 
 
@@ -315,14 +332,16 @@ def _clean_stale(dst: Path) -> None:
             _remove(p)
 
 
-def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv: str | Path | None = None,
-            columns: dict[str, str] | None = None, workers: int | str = "auto", strict: bool = False,
-            resize: dec.ResizeSpec | None = None, encode: str = "keep", quality: int = 90,
-            overwrite: bool = False, shards: int | None = None, shard_samples: int | None = None,
-            shard_bytes: int = 1 << 30, progress: bool | None = None, max_pixels: int | None = None,
-            scheduler: Any = None, parts: int | None = None, check: str = "auto",
-            follow_symlinks: bool = False) -> Summary:
+def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = None,
+            csv: str | Path | None = None, columns: dict[str, str] | None = None, workers: int | str = "auto",
+            strict: bool = False, overwrite: bool = False, progress: bool | None = None, scheduler: Any = None,
+            parts: int | None = None, follow_symlinks: bool = False, **fields: Any) -> Summary:
     """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
+
+    What the output holds comes from ``options`` (:class:`packio.PackOptions`) and
+    its fields given as keywords (``format``, ``resize``, ``encode``, ``quality``,
+    ``check``, ``max_pixels``, ``shards``, ``shard_samples``, ``shard_bytes``), a
+    keyword winning over ``options``; the other parameters say how to run.
 
     The format comes from ``format`` or ``dst``'s suffix (``.lmdb`` ``.h5`` ``.wds``
     ``.bmpdir`` ``.arrays``; see the README's naming conventions). Bad inputs are
@@ -360,29 +379,23 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
     it, unless ``follow_symlinks``; every skipped entry is counted. SIGTERM / SIGHUP
     remove the temporary output as Ctrl-C does.
     """
-    args = dict(locals())  # every parameter, first thing: a URL destination passes them on
+    options = merge_options(PackOptions, options, fields, "convert")
+    run = dict(csv=csv, columns=columns, workers=workers, strict=strict, progress=progress, scheduler=scheduler,
+               parts=parts, follow_symlinks=follow_symlinks)
     from packio.remote import is_url
 
     if is_url(dst):  # pack locally; upload shards as they finish, the manifest last (packio[remote])
         from packio.remote.upload import convert_to_url
 
-        return convert_to_url(convert, **args)
+        return convert_to_url(convert, src, str(dst), overwrite=overwrite, options=options, **run)
     t0 = time.perf_counter()
     src, dst = Path(src), Path(str(dst).rstrip("/"))
-    spec = output_format(dst, format)
-    resize = resize or dec.ResizeSpec()
-    _check_numbers(quality=quality, workers=workers, shards=shards, shard_samples=shard_samples,
-                   shard_bytes=shard_bytes, parts=parts)
-    if encode not in ENCODE_CHOICES:
-        raise PackioError(f"encode must be one of {', '.join(ENCODE_CHOICES)}, got {encode!r}")
-    if check not in CHECKS:
-        raise PackioError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
-    max_pixels = limits.MAX_PIXELS if max_pixels is None else max_pixels
+    spec = output_format(dst, options.format)
+    _check_numbers(workers=workers, parts=parts)
+    encode = options.encode
     if encode not in ("keep", spec.payload) and spec.payload != "encoded":
         raise PackioError(f"the {spec.name} format stores {'BMP' if spec.payload == 'bmp' else 'decoded uint8 pixels'}"
                           f" only; drop --encode {encode} (or choose another output format)")
-    if shards is not None and shard_samples is not None:
-        raise PackioError("give the number of shards or the samples per shard, not both")
     packed_src = src.is_file() or is_packed(src)
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
@@ -392,19 +405,17 @@ def convert(src: str | Path, dst: str | Path, *, format: str | None = None, csv:
         raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
     with _terminate_cleanly(), _output_lock(dst):
         _check_output(dst, overwrite)  # again, under the lock
-        return _convert(src, dst, spec, resize, packed_src, t0, csv=csv, columns=columns, workers=workers,
-                        strict=strict, encode=encode, quality=quality, overwrite=overwrite, shards=shards,
-                        shard_samples=shard_samples, shard_bytes=shard_bytes, progress=progress,
-                        max_pixels=max_pixels, scheduler=scheduler, parts=parts, check=check,
-                        follow_symlinks=follow_symlinks)
+        return _convert(src, dst, spec, options, packed_src, t0, overwrite=overwrite, **run)
 
 
-def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, packed_src: bool, t0: float, *,
+def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packed_src: bool, t0: float, *,
              csv: str | Path | None, columns: dict[str, str] | None, workers: int | str, strict: bool,
-             encode: str, quality: int, overwrite: bool, shards: int | None, shard_samples: int | None,
-             shard_bytes: int, progress: bool | None, max_pixels: int, scheduler: Any, parts: int | None,
-             check: str, follow_symlinks: bool) -> Summary:
+             overwrite: bool, progress: bool | None, scheduler: Any, parts: int | None,
+             follow_symlinks: bool) -> Summary:
     """convert() once its arguments are checked and the output is locked."""
+    o = options
+    resize, encode, quality, check = o.resize, o.encode, o.quality, o.check
+    max_pixels = limits.MAX_PIXELS if o.max_pixels is None else o.max_pixels
     summary = Summary(output=str(dst), format=spec.name)
     notes: Counter[str] = Counter()
     history: list[dict[str, Any]] = []
@@ -447,8 +458,8 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, pac
     image = {"payload": payload, "resize": resize.to_json() if resize.active else None,
              "quality": quality, "encode": encode, "check": check,
              "shape": list(fixed) + [3] if fixed else None, "history": history}
-    n_shards = plan_shards(len(tasks), shards) if shard_samples is None else 0
-    job = _Job(spec.name, WriteOptions(shard_samples=shard_samples or MAX_SHARD_SAMPLES, shard_bytes=shard_bytes,
+    n_shards = plan_shards(len(tasks), o.shards) if o.shard_samples is None else 0
+    job = _Job(spec.name, WriteOptions(shard_samples=o.shard_samples or MAX_SHARD_SAMPLES, shard_bytes=o.shard_bytes,
                                        fixed_shape=fixed if payload == "raw" else None,
                                        shards=n_shards, expected=len(tasks)),
                classes, image, source_info, strict)
@@ -489,22 +500,23 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, resize: dec.ResizeSpec, pac
 
 def output_format(dst: Path, format: str | None = None) -> FormatSpec:
     """The format ``dst`` is written in, refusing names that promise something else:
-    a folder named ``out.tar`` breaks ``tar tf out.tar``, one named ``x.npy`` breaks ``np.load``."""
+    a folder named ``out.tar`` breaks ``tar tf out.tar``, one named ``x.npy`` breaks
+    ``np.load`` (each format lists such suffixes: ``FormatSpec.refused_suffixes``)."""
     suffix = dst.suffix.lower()
     spec = get_format(format) if format else None
-    if suffix in _FILE_SUFFIXES and (spec is None or suffix not in spec.suffixes):
-        name, breaks, better = _FILE_SUFFIXES[suffix]
-        if spec is not None and spec.name != name:
+    table = formats()
+    refusing = next((f for f in table.values() if suffix in dict(f.refused_suffixes)), None)
+    if refusing is not None and (spec is None or suffix not in spec.suffixes):
+        if spec is not None and spec.name != refusing.name:
             raise FormatError(f"{dst}: '{suffix}' names a {suffix[1:]} file, not the {spec.name} format; "
                               f"name the output {dst.with_suffix(spec.suffixes[0])}")
-        inside = {"tar": " (it will hold shard-NNNNNN.tar files + packio.json)",
-                  "arrays": " (it will hold images.npy, labels.npy, ... + packio.json)"}.get(name, "")
-        raise FormatError(f"{dst}: '{suffix}' names one file, but the {name} format writes a folder "
-                          f"(a folder named {dst.name} breaks {breaks}); name the output "
-                          f"{dst.with_suffix(better)}{inside}")
+        inside = f" (it will hold {refusing.folder_holds})" if refusing.folder_holds else ""
+        raise FormatError(f"{dst}: '{suffix}' names one file, but the {refusing.name} format writes a folder "
+                          f"(a folder named {dst.name} breaks {dict(refusing.refused_suffixes)[suffix]}); name the "
+                          f"output {dst.with_suffix(refusing.suffixes[0])}{inside}")
     if spec is None:
         return format_for_path(dst)
-    owner = next((f.name for f in formats().values() if suffix in f.suffixes), None)
+    owner = next((f.name for f in table.values() if suffix in f.suffixes), None)
     if owner not in (None, spec.name):
         raise FormatError(f"{dst}: the suffix {suffix} means the {owner} format, not {spec.name}; "
                           f"name the output {dst.with_suffix(spec.suffixes[0])}")
@@ -512,9 +524,8 @@ def output_format(dst: Path, format: str | None = None) -> FormatSpec:
 
 
 def _check_numbers(**values: Any) -> None:
-    """Reject numbers outside the range each option accepts (the CLI checks the same)."""
-    ranges = {"quality": (1, 100), "workers": (0, 1024), "shards": (1, 10**7), "shard_samples": (1, 10**9),
-              "shard_bytes": (1, 1 << 50), "parts": (1, 10**6)}
+    """Reject numbers outside the range each run parameter accepts (the CLI checks the same)."""
+    ranges = {"workers": (0, 1024), "parts": (1, 10**6)}
     for name, v in values.items():
         if v is None or (name == "workers" and v == "auto"):
             continue
@@ -704,7 +715,7 @@ class _Job:
     """What every part of one conversion shares."""
 
     format: str
-    options: WriteOptions
+    write_options: WriteOptions  # what the format's writer gets
     classes: list[str]
     image: dict[str, Any]
     source: dict[str, Any]
@@ -719,26 +730,30 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     skipped = Counter(skipped or {})
     notes = Counter(notes or {})
     problems: list[str] = []
-    writer = spec.writer(path, job.options)
+    writer = spec.writer(path, job.write_options)
     seen: set[str] = set()
     dup = 0
     done: Counter[str] = Counter()  # "jpeg kept", "bmp→jpeg", ...
+    stored: Counter[str] = Counter()  # encodings stored
+    jpeg_encoded = False  # whether this step encoded any JPEG (the manifest then records the quality)
     chosen: dict[str, Any] = {}
     try:
         with _progress(len(tasks), progress) as bar:
-            for sample, reason, where in _results(fn, tasks, workers, chosen):
+            for r in _results(fn, tasks, workers, chosen):
                 bar.update(1)
-                if sample is None:
+                if isinstance(r, Skipped):
                     if job.strict:
-                        raise SourceError(f"{where}: {reason} (--strict)")
-                    skipped[reason] += 1
-                    problems.append(f"{where}: {reason}")
+                        raise SourceError(f"{r.where}: {r.reason} (--strict)")
+                    skipped[r.reason] += 1
+                    problems.append(f"{r.where}: {r.reason}")
                     continue
+                sample = r.sample
                 dup += sample.checksum in seen
                 seen.add(sample.checksum)
-                how, *extra = reason.split("; ")
-                done[how] += 1
-                notes.update(filter(None, extra))
+                done[r.done] += 1
+                stored[sample.encoding] += 1
+                jpeg_encoded |= not r.kept and sample.encoding == "jpeg"
+                notes.update(r.notes)
                 writer.add(sample)
         if job.strict and skipped:
             raise SourceError(f"{sum(skipped.values())} inputs were skipped (--strict): " + "; ".join(problems[:5]))
@@ -747,20 +762,18 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
         writer.abort()
         raise
     manifest = Manifest(format=job.format, count=writer.count, id=uuid.uuid4().hex, classes=job.classes,
-                        image=_image_facts(job.image, done), source=job.source, extra=extra,
+                        image=_image_facts(job.image, done, stored, jpeg_encoded), source=job.source, extra=extra,
                         summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup,
                                  "notes": dict(notes)})
     writer.write_manifest(manifest)
     return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup,
-            "notes": dict(notes), "done": dict(done), "workers": chosen.get("workers"), "manifest": manifest}
+            "notes": dict(notes), "done": dict(done), "stored": dict(stored), "jpeg_encoded": jpeg_encoded,
+            "workers": chosen.get("workers"), "manifest": manifest}
 
 
-def _image_facts(image: dict[str, Any], done: Counter[str]) -> dict[str, Any]:
-    """The manifest's ``image`` entry once written: stored encodings and what this step did."""
-    stored: Counter[str] = Counter()
-    for what, n in done.items():
-        stored[what.split("→")[-1].removesuffix(" kept")] += n
-    jpeg = any(w.endswith("→jpeg") for w in done)
+def _image_facts(image: dict[str, Any], done: Counter[str], stored: Counter[str], jpeg: bool) -> dict[str, Any]:
+    """The manifest's ``image`` entry once written: what this step did (``done``), the
+    encodings stored, and the JPEG quality when it encoded any JPEG."""
     history = [*image["history"][:-1], {**image["history"][-1], "quality": image["quality"] if jpeg else None,
                                         "result": dict(sorted(done.items()))}]
     return {**image, "quality": image["quality"] if jpeg else None, "encodings": dict(sorted(stored.items())),
@@ -837,7 +850,10 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
         notes.update(r["notes"])
     dup = sum(r["duplicate_content"] for r in results)
     done = sum((Counter(r["done"]) for r in results), Counter())
-    manifest = Manifest(format=job.format, count=count, classes=job.classes, image=_image_facts(job.image, done),
+    stored = sum((Counter(r["stored"]) for r in results), Counter())
+    jpeg = any(r["jpeg_encoded"] for r in results)
+    manifest = Manifest(format=job.format, count=count, classes=job.classes,
+                        image=_image_facts(job.image, done, stored, jpeg),
                         source=job.source,
                         extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},
                         summary={"packed": count, "skipped": dict(skipped), "duplicate_content": dup,
@@ -852,11 +868,11 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
 
 def _part_job(job: _Job, count: int) -> _Job:
     """One part's share of the planned tar shards."""
-    o = job.options
+    o = job.write_options
     if not o.shards:
         return job
     share = max(1, math.ceil(o.shards * count / max(o.expected, 1)))
-    return dataclasses.replace(job, options=dataclasses.replace(o, shards=share, expected=count))
+    return dataclasses.replace(job, write_options=dataclasses.replace(o, shards=share, expected=count))
 
 
 def describe_output(path: Path, m: Manifest) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sized
+from typing import Any, Iterator, Sized
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio.errors import PackioError, StateError
 from packio.formats.base import Reader
-from packio.items import Item, Items, Size
+from packio.items import Item, Items
+from packio.options import DecodeOptions, merge_options
 from packio.order import (Split, check_even, check_int, dist_info, dist_world, epoch_order, make_state,
                           rank_lengths, read_state, worker_slice)
 from packio.sample import Sample
@@ -38,8 +39,11 @@ class PackedDataset(Dataset):
     formats the stored pixels as a CHW tensor), ``label``, ``boxes``
     (``float32[N, 4]`` xyxy), ``box_labels``, ``key``, ``index``.
 
-    ``resize=224`` or ``(h, w)`` resizes after decode (boxes follow). Handles open
-    lazily in each process, so it works in DataLoader workers under any start method.
+    What shapes the items: ``options=packio.DecodeOptions(...)`` and/or its fields as
+    keywords (``decode``, ``resize``, ``transform``, ``backend``, ``on_error``,
+    ``verify``, ``threads``; a keyword wins over ``options``). ``resize=224`` or
+    ``(h, w)`` resizes after decode (boxes follow). Handles open lazily in each
+    process, so it works in DataLoader workers under any start method.
     ``on_error="skip"`` returns ``None`` for a corrupt sample (``packio.collate`` drops it).
     ``threads=N`` decodes each batch with N threads in whichever process reads it.
     ``__getitems__`` (what torch's DataLoader calls with a batch's indices) returns
@@ -49,11 +53,9 @@ class PackedDataset(Dataset):
 
     format_name: str | None = None
 
-    def __init__(self, path: str | Path, *, decode: bool = True, resize: Size = None,
-                 transform: Callable[[torch.Tensor], Any] | None = None, backend: str = "auto",
-                 on_error: str = "raise", verify: bool = False, threads: int = 0) -> None:
-        self.items = Items(path, self.format_name, decode=decode, resize=resize, transform=transform,
-                           backend=backend, on_error=on_error, verify=verify, threads=check_int("threads", threads, 0))
+    def __init__(self, path: str | Path, *, options: DecodeOptions | None = None, **fields: Any) -> None:
+        self.options = merge_options(DecodeOptions, options, fields, type(self).__name__)
+        self.items = Items(path, self.format_name, self.options)
         self.path = str(path)
 
     @property
@@ -231,7 +233,8 @@ class PackedIterableDataset(_Resumable, IterableDataset):
     skipped sample is a ``None`` in its place (``packio.collate`` drops it), so it
     still counts as consumed. :meth:`state_dict` / :meth:`load_state_dict` resume
     exactly; inside workers of torchdata's ``StatefulDataLoader`` they save and
-    restore each worker's own position.
+    restore each worker's own position. ``options`` / its fields as keywords: as
+    for :class:`PackedDataset`.
     """
 
     format_name: str | None = None
@@ -239,16 +242,14 @@ class PackedIterableDataset(_Resumable, IterableDataset):
 
     def __init__(self, path: str | Path, *, shuffle: bool = False, seed: int = 0, batch_size: int | None = 1,
                  window: int = 8, rank: int | None = None, world_size: int | None = None,
-                 even: str | None = "pad", decode: bool = True, resize: Size = None,
-                 transform: Callable[[torch.Tensor], Any] | None = None, backend: str = "auto",
-                 on_error: str = "raise", verify: bool = False, threads: int = 0) -> None:
+                 even: str | None = "pad", options: DecodeOptions | None = None, **fields: Any) -> None:
         self.shuffle, self.seed = _check_flags(shuffle, seed)
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, 1)
         self.window, self.even = check_int("window", window, 1), check_even(even)
         self.rank, self.world_size = dist_info(rank, world_size)
         self._explicit_world = rank is not None and world_size is not None
-        self.items = Items(path, self.format_name, decode=decode, resize=resize, transform=transform,
-                           backend=backend, on_error=on_error, verify=verify, threads=check_int("threads", threads, 0))
+        self.options = merge_options(DecodeOptions, options, fields, type(self).__name__)
+        self.items = Items(path, self.format_name, self.options)
         self.path = str(path)
         self.length = len(self.reader)
         self._position = _SharedPosition()
@@ -399,11 +400,14 @@ class ResumableSampler(_Resumable, torch.utils.data.Sampler[int]):
         self._end(p)
 
 
-def open_dataset(path: str | Path, *, iterable: bool = False, cache_dir: str | Path | None = None,
-                 cache_limit: int | str | None = None, storage_options: dict[str, Any] | None = None,
-                 **kwargs: Any) -> PackedDataset | PackedIterableDataset:
-    """Open any packed dataset (the format comes from its manifest). A URL (``s3://``,
-    ``https://``, any fsspec URL) reads through a local cache: see :func:`packio.remote.open_url`."""
+def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOptions | None = None,
+                 cache_dir: str | Path | None = None, cache_limit: int | str | None = None,
+                 storage_options: dict[str, Any] | None = None, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
+    """Open any packed dataset (the format comes from its manifest) as a
+    :class:`PackedDataset`, or with ``iterable=True`` a :class:`PackedIterableDataset`;
+    ``options`` and ``kwargs`` go to that class. A URL (``s3://``, ``https://``, any
+    fsspec URL) reads through a local cache: see :func:`packio.remote.open_url`."""
+    kwargs["options"] = options
     from packio.remote import is_url
 
     cls = PackedIterableDataset if iterable else PackedDataset

@@ -23,32 +23,20 @@ from packio.collation import batch_buffer
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
 from packio.formats.base import Reader
+from packio.options import DecodeOptions
 from packio.sample import Sample, checksum
 
-__all__ = ["Items", "Decoder", "ErrorPolicy", "DecodeThreads", "read_samples", "output_size"]
+__all__ = ["Items", "Decoder", "ErrorPolicy", "DecodeThreads", "read_samples"]
 
 log = logging.getLogger("packio")
-Size = int | tuple[int, int] | None
 Item = dict[str, Any]
-
-
-def output_size(resize: Size) -> tuple[int, int] | None:
-    """``resize`` as (h, w): an int is a square; sizes are positive ints."""
-    if resize is None:
-        return None
-    hw = (resize, resize) if isinstance(resize, (int, np.integer)) else tuple(resize)
-    if len(hw) != 2 or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in hw):
-        raise ValueError(f"resize must be a positive int or (height, width), not {resize!r}")
-    return int(hw[0]), int(hw[1])
 
 
 class ErrorPolicy:
     """``on_error="raise"`` re-raises a sample's error; ``"skip"`` counts it, warns
     now and then, and hands out ``None`` in its place."""
 
-    def __init__(self, on_error: str) -> None:
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+    def __init__(self, on_error: str) -> None:  # checked by DecodeOptions
         self.on_error = on_error
         self.count = 0
 
@@ -140,14 +128,10 @@ def item(index: int, s: Sample, image: Any, boxes: np.ndarray) -> Item:
 class Decoder:
     """One stored sample → its item: verify, decode, resize, boxes, transform."""
 
-    def __init__(self, decode: bool, size: tuple[int, int] | None, transform: Callable[[torch.Tensor], Any] | None,
-                 backend: str, verify: bool) -> None:
-        if backend != "auto" and backend not in dec.available_backends():
-            # checked here: at decode time it would read as a corrupt sample, every sample
-            raise ValueError(f"backend must be 'auto' or one of {dec.available_backends()}, not {backend!r}")
-        if size is not None:
-            dec.check_pixels(size[1], size[0])  # ValueError: the resize target is the user's
-        self.decode, self.size, self.transform, self.backend, self.verify = decode, size, transform, backend, verify
+    def __init__(self, options: DecodeOptions) -> None:
+        self.options = options  # checked when made
+        self.decode, self.size, self.transform = options.decode, options.resize, options.transform
+        self.backend, self.verify = options.backend, options.verify
 
     def __call__(self, index: int, s: Sample, slot: tuple[np.ndarray, torch.Tensor] | None = None) -> Item:
         """``slot``: a batch buffer's ``uint8[h, w, 3]`` slot to resize into, and its CHW view."""
@@ -179,16 +163,11 @@ class Items:
     the slots and hands out the buffer itself instead of stacking a copy.
     """
 
-    def __init__(self, path: str | Path, format_name: str | None, *, decode: bool, resize: Size,
-                 transform: Callable[[torch.Tensor], Any] | None, backend: str, on_error: str, verify: bool,
-                 threads: int = 0) -> None:
-        if not isinstance(decode, bool) or not isinstance(verify, bool):
-            raise TypeError("decode and verify must be True or False")
-        if transform is not None and not callable(transform):
-            raise TypeError(f"transform must be callable, not {type(transform).__name__}")
-        self.errors = ErrorPolicy(on_error)
-        self.decoder = Decoder(decode, output_size(resize), transform, backend, verify)
-        self.pool = DecodeThreads(threads)
+    def __init__(self, path: str | Path, format_name: str | None, options: DecodeOptions) -> None:
+        self.options = options
+        self.errors = ErrorPolicy(options.on_error)
+        self.decoder = Decoder(options)
+        self.pool = DecodeThreads(options.threads)
         self.reader: Reader = open_reader(path)
         if format_name and self.reader.manifest.format != format_name:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "

@@ -13,9 +13,9 @@ from packio.formats import formats, register, unregister
 
 PUBLIC = [
     "ArrayDataset", "ArrayIterableDataset", "BMPDataset", "BMPIterableDataset", "CorruptSampleError",
-    "DataLoader", "DatasetReplacedError", "FormatError", "HDF5Dataset", "HDF5IterableDataset", "LMDBDataset",
-    "LMDBIterableDataset", "Manifest", "OutputBusyError", "OutputExistsError", "PackedDataset", "PackedIterableDataset",
-    "PackioError", "RemoteError", "ResizeSpec", "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset",
+    "DataLoader", "DatasetReplacedError", "DecodeOptions", "FormatError", "HDF5Dataset", "HDF5IterableDataset",
+    "LMDBDataset", "LMDBIterableDataset", "Manifest", "OutputBusyError", "OutputExistsError", "PackOptions",
+    "PackedDataset", "PackedIterableDataset", "PackioError", "RemoteError", "ResizeSpec", "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset",
     "TarIterableDataset", "collate",
     "convert", "open_dataset", "open_reader", "tune", "verify",
 ]
@@ -47,6 +47,8 @@ def test_a_registered_format_reaches_every_consumer(tmp_path):
             register(dataclasses.replace(spec, suffixes=(".toy2",)))
         with pytest.raises(FormatError, match="taken"):
             register(dataclasses.replace(spec, name="toy2", suffixes=(".lmdb",)))
+        with pytest.raises(FormatError, match="taken"):  # .tar is the tar format's to refuse
+            register(dataclasses.replace(spec, name="toy2", suffixes=(".tar",)))
     finally:
         unregister("toy")
     assert "toy" not in formats() and "ToyDataset" not in packio.__all__

@@ -35,15 +35,20 @@ def formats() -> dict[str, FormatSpec]:
 
 def register(spec: FormatSpec) -> FormatSpec:
     """Add a format to the registry (for this process). Its name and suffixes must be
-    new. Returns ``spec``, so a module can write ``FORMAT = register(FormatSpec(...))``."""
+    new (and not refused by another format). Returns ``spec``, so a module can write ``FORMAT = register(FormatSpec(...))``."""
     table = formats()
     if spec.name in table and table[spec.name] is not spec:
         raise FormatError(f"a format named {spec.name!r} is already registered")
-    taken = {s for other in table.values() if other is not spec for s in other.suffixes}
-    if taken & set(spec.suffixes):
-        raise FormatError(f"format {spec.name!r}: suffixes {sorted(taken & set(spec.suffixes))} are taken")
+    taken = {s for other in table.values() if other is not spec for s in _claimed_suffixes(other)}
+    if taken & _claimed_suffixes(spec):
+        raise FormatError(f"format {spec.name!r}: suffixes {sorted(taken & _claimed_suffixes(spec))} are taken")
     _REGISTERED[spec.name] = spec
     return spec
+
+
+def _claimed_suffixes(spec: FormatSpec) -> set[str]:
+    """The output suffixes a format answers for: its own, and those it refuses (``.tar``)."""
+    return {*spec.suffixes, *(suffix for suffix, _ in spec.refused_suffixes)}
 
 
 def unregister(name: str) -> None:

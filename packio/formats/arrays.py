@@ -163,4 +163,5 @@ class ArrayReader(Reader):
 
 
 FORMAT = FormatSpec(name="arrays", suffixes=(".arrays",), writer=ArrayWriter, reader=ArrayReader,
-                    stores="pixels", needs_fixed_shape=True, dataset_prefix="Array")
+                    stores="pixels", needs_fixed_shape=True, dataset_prefix="Array",
+                    refused_suffixes=((".npy", "np.load"),), folder_holds="images.npy, labels.npy, ... + packio.json")

@@ -391,6 +391,10 @@ class FormatSpec:
     needs_fixed_shape: bool = False
     raw_when_fixed: bool = False  # store decoded pixels when every image has one pre-resized shape
     dataset_prefix: str = ""  # packio.{prefix}Dataset / {prefix}IterableDataset; default: name.capitalize()
+    # Output suffixes that promise one file where this format writes a folder, each with what a
+    # folder of that name breaks: convert refuses them and names a suffix of this format instead.
+    refused_suffixes: tuple[tuple[str, str], ...] = ()
+    folder_holds: str = ""  # what the folder holds, for that message ("shard-NNNNNN.tar files + packio.json")
 
     @property
     def class_prefix(self) -> str:

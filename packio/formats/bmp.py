@@ -83,4 +83,4 @@ class BMPReader(Reader):
 
 
 FORMAT = FormatSpec(name="bmp", suffixes=(".bmpdir",), writer=BMPWriter, reader=BMPReader, encoding="bmp",
-                    dataset_prefix="BMP")
+                    dataset_prefix="BMP", refused_suffixes=((".bmp", "image viewers"),))

@@ -379,4 +379,6 @@ class TarReader(Reader):
         return out
 
 
-FORMAT = FormatSpec(name="tar", suffixes=(".wds",), writer=TarWriter, reader=TarReader)
+FORMAT = FormatSpec(name="tar", suffixes=(".wds",), writer=TarWriter, reader=TarReader,
+                    refused_suffixes=((".tar", "`tar tf` and webdataset"),),
+                    folder_holds="shard-NNNNNN.tar files + packio.json")
