@@ -34,7 +34,7 @@ def ragged(parts: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor
     return r if packed else r.split()
 
 
-RING_SLOTS = 4  # batch buffers a worker keeps per shape: the one it fills, prefetched ones, the one in use
+RING_SLOTS = 6  # per shape and worker: the one it fills, prefetched ones, the one in use, one not yet seen free
 
 
 def _shared(n: int, h: int, w: int) -> torch.Tensor:

@@ -79,7 +79,7 @@ def test_one_read_batches_are_handed_on_without_a_copy(gen_folder, tmp_path, suf
 @pytest.mark.parametrize("context, persistent", [("fork", False), ("spawn", True), ("forkserver", True)])
 def test_reused_worker_buffers_never_change_a_held_batch(gen_folder, tmp_path, context, persistent):
     """Workers refill a batch buffer only once the main process holds no tensor on it:
-    batches kept from the first epoch still hold their pixels after three more, while
+    batches kept from the first epoch still hold their pixels after seven more, while
     the dropped ones are refilled (far fewer shared-memory buffers than batches)."""
     import os
 
@@ -90,7 +90,7 @@ def test_reused_worker_buffers_never_change_a_held_batch(gen_folder, tmp_path, c
     loader = packio.DataLoader(ds, batch_size=2, shuffle=True, num_workers=2, multiprocessing_context=context,
                                persistent_workers=persistent)
     held, buffers, batches, seen = [], set(), 0, []
-    for epoch in range(4):
+    for epoch in range(8):
         for k, b in enumerate(loader):
             batches += 1
             fd, _ = b["image"].untyped_storage()._share_fd_cpu_()  # already shared: the worker's buffer
@@ -104,6 +104,6 @@ def test_reused_worker_buffers_never_change_a_held_batch(gen_folder, tmp_path, c
     for idx, images in held:  # every kept batch, after all the refills
         for j, i in enumerate(idx):
             assert torch.equal(images[j], ref[i])
-    assert sorted(seen) == sorted(list(range(len(ds))) * 4)
+    assert sorted(seen) == sorted(list(range(len(ds))) * 8)
     if persistent:  # fresh workers each epoch start fresh rings: ~3 batches each here, no refill yet
         assert len(buffers) <= batches // 2, (len(buffers), batches)
