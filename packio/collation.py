@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["Ragged", "ragged", "batch_buffer", "slots_of_one_buffer", "unpack", "collate"]
+__all__ = ["Ragged", "ragged", "batch_buffer", "slots_of_one_buffer", "unpack", "collate", "Leased"]
 
 
 class Ragged:
@@ -34,13 +34,113 @@ def ragged(parts: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor
     return r if packed else r.split()
 
 
-def batch_buffer(n: int, h: int, w: int) -> torch.Tensor:
-    """``uint8[n, h, w, 3]`` for a batch's images; in a DataLoader worker it is made
-    in shared memory, so the batch crosses to the main process without a copy."""
-    if get_worker_info() is None:
-        return torch.empty((n, h, w, 3), dtype=torch.uint8)
+RING_SLOTS = 6  # per shape and worker: the one it fills, prefetched ones, the one in use, one not yet seen free
+
+
+def _shared(n: int, h: int, w: int) -> torch.Tensor:
     storage = torch.UntypedStorage._new_shared(n * h * w * 3)
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(n, h, w, 3)
+
+
+class _Ring:
+    """A worker's reusable shared-memory batch buffers of one shape. A fresh
+    shared-memory buffer costs its page faults and zeroing on both sides (~10 % of
+    a worker's time at W1, tools/bench_w1.py); a slot is reused only once the main
+    process has let go of every tensor on it, which it says through ``busy``
+    (a shared byte per slot: the worker sets it when it fills the slot, the main
+    process clears it when its storage has no tensor left, see :class:`Leased`)."""
+
+    def __init__(self, n: int, h: int, w: int) -> None:
+        self.shape = (n, h, w)
+        self.busy = torch.zeros(RING_SLOTS, dtype=torch.uint8).share_memory_()
+        self.flags = self.busy.numpy()
+        self.slots: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor:
+        for k, buf in enumerate(self.slots):
+            if not self.flags[k]:
+                self.flags[k] = 1
+                return buf
+        if len(self.slots) < RING_SLOTS:
+            self.slots.append(_shared(*self.shape))
+            self.flags[len(self.slots) - 1] = 1
+            return self.slots[-1]
+        return _shared(*self.shape)  # every slot still in use in the main process: a fresh buffer
+
+    def slot_of(self, t: torch.Tensor) -> int | None:
+        ptr = t.untyped_storage().data_ptr()
+        return next((k for k, buf in enumerate(self.slots) if buf.untyped_storage().data_ptr() == ptr), None)
+
+
+_RINGS: dict[tuple[int, int, int], _Ring] = {}
+_RINGS_PID = [0]
+
+
+def _rings() -> dict[tuple[int, int, int], _Ring]:
+    import os
+
+    if _RINGS_PID[0] != os.getpid():  # a forked worker starts with none of its parent's
+        _RINGS.clear()
+        _RINGS_PID[0] = os.getpid()
+    return _RINGS
+
+
+def batch_buffer(n: int, h: int, w: int) -> torch.Tensor:
+    """``uint8[n, h, w, 3]`` for a batch's images; in a DataLoader worker it is a
+    shared-memory slot of the worker's ring (see :class:`_Ring`), so the batch
+    crosses to the main process without a copy or a fresh allocation."""
+    if get_worker_info() is None:
+        return torch.empty((n, h, w, 3), dtype=torch.uint8)
+    rings = _rings()
+    ring = rings.get((n, h, w))
+    if ring is None:
+        ring = rings[(n, h, w)] = _Ring(n, h, w)
+    return ring.take()
+
+
+def _ring_slot(t: torch.Tensor) -> tuple[_Ring, int] | None:
+    for ring in _rings().values():
+        k = ring.slot_of(t)
+        if k is not None:
+            return ring, k
+    return None
+
+
+_PENDING: list[tuple[Any, Any, int]] = []  # main process: (weak ref to a slot's storage, busy flags, slot)
+MAX_PENDING = 256  # batches kept alive past this are never handed back: their workers allocate fresh ones
+
+
+def _release_expired() -> None:
+    keep = []
+    for ref, busy, k in _PENDING:
+        if ref.expired():
+            busy[k] = 0
+        else:
+            keep.append((ref, busy, k))
+    _PENDING[:] = keep
+
+
+def _rebuild_leased(images: torch.Tensor, busy: torch.Tensor, k: int) -> torch.Tensor:
+    """In the receiving process: hand out the batch's images, and watch the slot's
+    storage so that the worker may refill it once no tensor uses it any more."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    _release_expired()
+    if len(_PENDING) < MAX_PENDING:
+        _PENDING.append((StorageWeakRef(images.untyped_storage()), busy.numpy(), k))
+    return images
+
+
+class Leased:
+    """A batch's images on a worker's ring slot, as it crosses to the main process,
+    where it unpickles to the images tensor itself (``_rebuild_leased``). Only
+    ``packio.DataLoader``'s own collate makes these; nothing else sees one."""
+
+    def __init__(self, images: torch.Tensor, busy: torch.Tensor, k: int) -> None:
+        self.images, self.busy, self.k = images, busy, k
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_leased, (self.images, self.busy, self.k)
 
 
 def slots_of_one_buffer(images: list[Any]) -> torch.Tensor | None:
@@ -87,8 +187,12 @@ def collate(items: list[dict[str, Any] | None], packed: bool = False) -> dict[st
                 "key": [], "index": torch.zeros(0, dtype=torch.int64)}
     images: Any = [x["image"] for x in items]
     block = slots_of_one_buffer(images)
+    in_worker = get_worker_info() is not None
+    slot = _ring_slot(images[0]) if in_worker and isinstance(images[0], torch.Tensor) else None
     if block is not None:
         images = block  # already one batch buffer: no stack, no copy
+        if slot is not None and packed:  # packio.DataLoader: the main process hands the slot back
+            images = Leased(block, slot[0].busy, slot[1])
     elif all(isinstance(im, torch.Tensor) for im in images) and len({im.shape for im in images}) == 1:
         # Decoded images are CHW views of HWC pixels: stack the HWC memory (a plain
         # copy; stacking the strided views is slower, see tools/bench_levers.py) and
@@ -96,7 +200,7 @@ def collate(items: list[dict[str, Any] | None], packed: bool = False) -> dict[st
         hwc = all(im.dim() == 3 and im.permute(1, 2, 0).is_contiguous() for im in images)
         parts = [im.permute(1, 2, 0) for im in images] if hwc else images
         out = None
-        if get_worker_info() is not None:
+        if in_worker:
             # In a DataLoader worker, stack straight into shared memory: the batch
             # then crosses to the main process without another copy.
             n = len(parts) * parts[0].numel()
@@ -105,6 +209,9 @@ def collate(items: list[dict[str, Any] | None], packed: bool = False) -> dict[st
         images = torch.stack(parts, out=out)
         if hwc:
             images = images.permute(0, 3, 1, 2)
+    if (slot is not None and isinstance(images, torch.Tensor)
+            and images.untyped_storage().data_ptr() != slot[0].slots[slot[1]].untyped_storage().data_ptr()):
+        slot[0].flags[slot[1]] = 0  # copied out of the slot (a skipped sample left a gap): free again
     return {
         "image": images,
         "label": torch.tensor([x["label"] for x in items], dtype=torch.int64),

@@ -50,8 +50,11 @@ class ErrorPolicy:
 
 
 class DecodeThreads:
-    """``count`` decode threads per process (libjpeg-turbo and OpenCV release the
-    GIL); a forked or unpickled copy makes its own pool."""
+    """``count`` threads per process decode a batch (libjpeg-turbo and OpenCV release
+    the GIL): ``count - 1`` pool threads and the calling thread itself pull the next
+    index from one shared counter, so there is one task per thread per batch (not a
+    future per sample), no thread waits while work is left, and the caller is never
+    idle. A forked or unpickled copy makes its own pool."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -63,8 +66,23 @@ class DecodeThreads:
         if self._pool is None or self._pool[0] != os.getpid():
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = (os.getpid(), ThreadPoolExecutor(self.count, thread_name_prefix="packio-decode"))
-        return list(self._pool[1].map(fn, range(n)))
+            self._pool = (os.getpid(), ThreadPoolExecutor(self.count - 1, thread_name_prefix="packio-decode"))
+        out: list[Any] = [None] * n
+        todo = iter(range(n))  # next() on it is atomic under the GIL: each index goes to one thread
+
+        def drain() -> None:
+            for j in todo:
+                out[j] = fn(j)
+
+        helpers = [self._pool[1].submit(drain) for _ in range(min(self.count, n) - 1)]
+        try:
+            drain()
+        finally:
+            for f in helpers:  # even when this thread raised: no helper may still write into `out`
+                f.exception()
+        for f in helpers:
+            f.result()
+        return out
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _pool=None)
@@ -209,20 +227,33 @@ class Items:
                 got = None  # the per-sample path below finds the bad one
             if got is not None:
                 return self._gathered(got)
-        samples = read_samples(self.reader, indices)
         d = self.decoder
         fixed = d.decode and d.size is not None and d.transform is None and len(indices) > 1
         slots: list[Any] = [None] * len(indices)
         if fixed:  # views made once per batch, not once per sample
             buf = batch_buffer(len(indices), *d.size)  # type: ignore[misc]
             slots = list(zip(buf.numpy(), buf.permute(0, 3, 1, 2).unbind(0)))
+        samples: list[Sample | PackioError | None]
+        lock = None
+        if self.pool.count > 1 and type(self.reader).read_many is Reader.read_many:
+            # A reader that reads sample by sample: each decode thread reads its own
+            # sample (one at a time, under a lock), so reading overlaps the other
+            # threads' decoding instead of holding them all up before the batch starts.
+            import threading
+
+            lock, samples = threading.Lock(), [None] * len(indices)
+        else:
+            samples = read_samples(self.reader, indices)  # type: ignore[assignment]
 
         def one(j: int) -> Item | PackioError:
             s = samples[j]
+            if lock is not None:
+                with lock:
+                    s = read_samples(self.reader, indices[j:j + 1])[0]
             if isinstance(s, PackioError):
                 return s
             try:
-                return d(indices[j], s, slots[j])
+                return d(indices[j], s, slots[j])  # type: ignore[arg-type]
             except PackioError as exc:
                 return exc
 

@@ -6,7 +6,7 @@ import itertools
 import os
 from typing import Any
 
-__all__ = ["tune"]
+__all__ = ["tune", "default_trials"]
 
 
 def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any]) -> float:
@@ -20,25 +20,44 @@ def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any])
     return throughput(loader, seconds).samples_per_s
 
 
+def default_trials(cpus: int) -> list[dict[str, Any]]:
+    """Threads vs workers vs both, each using every core: decode threads in the
+    training process, ``cpus`` workers, and ``cpus // 2`` workers with 2 threads
+    each, plus the plain single-process loader."""
+    pw = {"prefetch_factor": 2, "persistent_workers": True}
+    trials = [{"num_workers": 0, "threads": 0}]
+    if cpus > 1:
+        half = cpus // 2
+        trials += [{"num_workers": 0, "threads": cpus}, {"num_workers": cpus, **pw, "threads": 0},
+                   {"num_workers": half, **pw, "threads": max(2, cpus // half)}]
+    return trials
+
+
 def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list[int] | None = None,
-         prefetch: tuple[int, ...] = (2, 4), threads: tuple[int, ...] | None = None,
+         prefetch: tuple[int, ...] | None = None, threads: tuple[int, ...] | None = None,
          verbose: bool = True) -> dict[str, Any]:
-    """Try ``num_workers`` × ``prefetch_factor`` (persistent workers) × decode
-    ``threads`` for ``seconds`` each after start-up, print the table, leave the
-    dataset set to the fastest thread count, and return the fastest settings:
-    DataLoader keyword arguments plus ``threads`` (pop it before passing them on).
-    Bounded time: trials × seconds."""
+    """Measure DataLoader settings for ``seconds`` each after start-up, print the
+    table, leave the dataset set to the fastest thread count, and return the
+    fastest settings: DataLoader keyword arguments plus ``threads`` (pop it before
+    passing them on). By default a short plan (:func:`default_trials`: threads vs
+    workers vs both); give ``workers``, ``prefetch`` or ``threads`` to try every
+    combination of ``num_workers`` × ``prefetch_factor`` (persistent workers) ×
+    decode ``threads`` instead. Bounded time: trials × seconds."""
     cpus = os.cpu_count() or 1
-    workers = workers if workers is not None else sorted({0, 1, cpus // 2, cpus, cpus * 2})
-    threads = threads if threads is not None else tuple(sorted({0, cpus}))
-    trials: list[dict[str, Any]] = []
-    for w, pf, th in itertools.product(workers, prefetch, threads):
-        if w == 0 and pf != prefetch[0]:
-            continue
-        kw: dict[str, Any] = {"num_workers": w}
-        if w:
-            kw.update(prefetch_factor=pf, persistent_workers=True)
-        trials.append({**kw, "threads": th})
+    if workers is None and prefetch is None and threads is None:
+        trials = default_trials(cpus)
+    else:
+        workers = workers if workers is not None else sorted({0, 1, cpus // 2, cpus, cpus * 2})
+        prefetch = prefetch or (2, 4)
+        threads = threads if threads is not None else tuple(sorted({0, cpus}))
+        trials = []
+        for w, pf, th in itertools.product(workers, prefetch, threads):
+            if w == 0 and pf != prefetch[0]:
+                continue
+            kw: dict[str, Any] = {"num_workers": w}
+            if w:
+                kw.update(prefetch_factor=pf, persistent_workers=True)
+            trials.append({**kw, "threads": th})
     items = dataset.items
     results = []
     for trial in trials:

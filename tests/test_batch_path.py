@@ -74,3 +74,36 @@ def test_one_read_batches_are_handed_on_without_a_copy(gen_folder, tmp_path, suf
         assert torch.equal(batch["image"][j], ds[i]["image"])
     swapped = packio.collate([items[1], items[0]])["image"]  # not slot after slot: stacked into a new tensor
     assert swapped.data_ptr() != items[0]["image"].data_ptr() and torch.equal(swapped[1], items[0]["image"])
+
+
+@pytest.mark.parametrize("context, persistent", [("fork", False), ("spawn", True), ("forkserver", True)])
+def test_reused_worker_buffers_never_change_a_held_batch(gen_folder, tmp_path, context, persistent):
+    """Workers refill a batch buffer only once the main process holds no tensor on it:
+    batches kept from the first epoch still hold their pixels after seven more, while
+    the dropped ones are refilled (far fewer shared-memory buffers than batches)."""
+    import os
+
+    src, csv = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", resize=(24, 32))
+    ref = {i: ds.items.get([i])[0]["image"] for i in range(len(ds))}
+    loader = packio.DataLoader(ds, batch_size=2, shuffle=True, num_workers=2, multiprocessing_context=context,
+                               persistent_workers=persistent)
+    held, buffers, batches, seen = [], set(), 0, []
+    for epoch in range(8):
+        for k, b in enumerate(loader):
+            batches += 1
+            fd, _ = b["image"].untyped_storage()._share_fd_cpu_()  # already shared: the worker's buffer
+            st = os.fstat(fd)
+            buffers.add((st.st_dev, st.st_ino))
+            seen += b["index"].tolist()
+            if epoch == 0 and k % 3 == 0:
+                held.append((b["index"].tolist(), b["image"]))
+            for j, i in enumerate(b["index"].tolist()):
+                assert torch.equal(b["image"][j], ref[i])
+    for idx, images in held:  # every kept batch, after all the refills
+        for j, i in enumerate(idx):
+            assert torch.equal(images[j], ref[i])
+    assert sorted(seen) == sorted(list(range(len(ds))) * 8)
+    if persistent:  # fresh workers each epoch start fresh rings: ~3 batches each here, no refill yet
+        assert len(buffers) <= batches // 2, (len(buffers), batches)

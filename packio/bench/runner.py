@@ -33,7 +33,7 @@ from packio.bench.probe import MARKER, Probe, count_opens, strace_prefix, wait_a
 from packio.manifest import disk_bytes
 
 __all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", "plot", "warm_cache", "evict",
-           "resident_fraction", "limit_l1", "limit_l2", "bare_lmdb_write", "NaiveDataset"]
+           "resident_fraction", "limit_l1", "limit_l2", "bare_lmdb_write", "NaiveDataset", "ratios"]
 
 BATCH = 64
 SIZE = 224
@@ -129,21 +129,30 @@ def _decode_resize(span: tuple[int, int, int]) -> int:
     return len(range(start, stop, step))
 
 
-def limit_l1(blobs: list[bytes], procs: int) -> float:
+def limit_l1(blobs: list[bytes], procs: int, cpu: list[float] | None = None) -> float:
     """Fastest available decode + resize of in-memory bytes, in ``procs`` processes
-    (each forked process already holds the bytes: nothing crosses a pipe)."""
+    (each forked process already holds the bytes: nothing crosses a pipe).
+    ``cpu``: gets the CPU seconds per sample appended (all processes)."""
+    from packio.doctor.measure import cpu_seconds
+
     _BLOBS[:] = blobs
     n = len(blobs)
     if procs == 1:
         _decode_resize((0, 20, 1))
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu_seconds()
         _decode_resize((0, n, 1))
-        return n / (time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        if cpu is not None:
+            cpu.append((cpu_seconds() - c) / n)
+        return n / dt
     with mp.get_context("fork").Pool(procs) as pool:
         pool.map(_decode_resize, [(0, 10, 1)] * procs)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu_seconds()
         pool.map(_decode_resize, [(i, n, procs) for i in range(procs)], chunksize=1)
-        return n / (time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        if cpu is not None:  # while the pool's processes live: their CPU time counts
+            cpu.append((cpu_seconds() - c) / n)
+        return n / dt
 
 
 def limit_l2(images_npy: Path) -> tuple[float, float]:
@@ -241,7 +250,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         ds = packio.open_dataset(root, decode=False)
         blobs = [ds.sample(i).payload for i in range(len(ds))]
         ds.reader.close()
-        return {"rate": limit_l1(blobs, cfg["procs"])}
+        cpu: list[float] = []
+        return {"rate": limit_l1(blobs, cfg["procs"], cpu), "cpu_us": cpu[0] * 1e6}
     if kind == "L2":
         per, batched = limit_l2(Path(root) / "images.npy")
         return {"rate": per, "batched": batched}
@@ -295,7 +305,9 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             n_warm += len(batch["label"] if isinstance(batch, dict) else batch[1])
             if warmup is not None and k + 1 >= warmup:
                 break
-    t0 = time.perf_counter()
+    from packio.doctor.measure import cpu_seconds
+
+    t0, c0 = time.perf_counter(), cpu_seconds()
     n = 0
     t_first = n_first = None
     for batch in loader:
@@ -303,9 +315,11 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         n += len(b)
         if t_first is None:
             t_first, n_first = time.perf_counter(), n
-    t_end = time.perf_counter()
+    t_end, c_end = time.perf_counter(), cpu_seconds()  # persistent workers are still alive: they count
     rate = (n - n_first) / (t_end - t_first) if cold else n / (t_end - t0)
     out.update(samples=n, expected=n_total, rate=rate, first_batch_s=t_first - t0, samples_read=n + n_warm)
+    if not cold and n:
+        out["cpu_us"] = (c_end - c0) / n * 1e6  # CPU per sample, all processes: steadier than rates when shared
     return out
 
 
@@ -551,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {**{k: cfg[k] for k in ("label", "workload", "workers", "cold", "data")},
                "threads": cfg.get("threads", 0), "rate": med(rs, "rate"),
                "first_batch_s": med(rs, "first_batch_s"), "opens_per_sample": med(rs, "opens_per_sample"),
+               "cpu_us_per_sample": med(rs, "cpu_us"),
                "peak_mb": med(rs, "peak_mb"), "resident_after_evict": med(rs, "resident_after_evict"),
                "error": errs[0] if errs else None, "runs": [r.get("rate") for r in rs],
                "samples_ok": all(r.get("samples") == r.get("expected") or r.get("expected") is None
@@ -569,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
               "pack": {**{n: {k: v for k, v in p.items() if k != "path"} for n, p in packed.items()},
                        "bare_lmdb_write_s": bare},
               "runs": summary, "random": [{"format": n, "cold": c, **r} for n, c, r in random_runs]}
-    md = render(report)
+    md = render(report)  # adds the ratios to each run
     (work / f"bench-{tag}.json").write_text(json.dumps(report, indent=1))
     (work / f"bench-{tag}.md").write_text(md)
     print(md)
@@ -594,9 +609,33 @@ def limit_for(row: dict[str, Any], r: dict[str, Any]) -> tuple[str, float]:
     return ("L1", L[f"L1_{ncpu}proc"]) if parallel else ("L1·1", L["L1_1proc"])
 
 
+def ceiling_for(row: dict[str, Any], r: dict[str, Any]) -> float:
+    """The machine's ceiling for a run's data: its limit with every core (L1·N, L1pre, L2)."""
+    L, ncpu = r["limits"], r["cpus"]
+    data = row.get("data", "original")
+    return {"arrays": L["L2_per_sample"], "pre-resized": L["L1_pre256"]}.get(data, L[f"L1_{ncpu}proc"])
+
+
+def ratios(r: dict[str, Any]) -> None:
+    """Add to each run: ``x_limit`` (over the limit with the same cores: 1 process for
+    no workers and no decode threads, else all), ``x_ceiling`` (over the limit with
+    every core) and ``x_best`` (over the fastest run of the same workload, data and
+    cache state): what the peers harness reports, so a regression shows here too."""
+    ok = [row for row in r["runs"] if not row["error"]]
+    best: dict[tuple[Any, ...], float] = {}
+    for row in ok:
+        k = (row["workload"], row.get("data"), row["cold"])
+        best[k] = max(best.get(k, 0.0), row["rate"])
+    for row in ok:
+        row["x_limit"] = row["rate"] / limit_for(row, r)[1]
+        row["x_ceiling"] = row["rate"] / ceiling_for(row, r)
+        row["x_best"] = row["rate"] / best[(row["workload"], row.get("data"), row["cold"])]
+
+
 def render(r: dict[str, Any]) -> str:
     L = r["limits"]
     ncpu = r["cpus"]
+    ratios(r)
     naive = {row["workers"]: row["rate"] for row in r["runs"] if row["label"].startswith("naive")}
     lines = [f"### packio bench — {r['source']}, {ncpu} CPUs, median of {r['repeats']}",
              "",
@@ -609,21 +648,24 @@ def render(r: dict[str, Any]) -> str:
              f"(L1pre·1), {L['L1_pre256']:.0f}/s in {ncpu}; **L2** uint8 {SIZE}² copy from a page-cached memmap: "
              f"{L['L2_per_sample']:.0f}/s per sample, {L['L2_batched']:.0f}/s {BATCH} at a time.",
              "- **× limit**: samples/s over the limit for the same data and number of processes "
-             "(workers = 0 and no decode threads: the 1-process limit).",
+             "(workers = 0 and no decode threads: the 1-process limit). "
+             f"**× ceiling**: over the limit with all {ncpu} cores. **× best**: over the fastest run "
+             "of the same workload, data and cache state.",
              "",
-             "| loader | workload | data | workers | cache | samples/s | MB/s | × limit | ×naive | opens/sample "
-             f"| peak MB ({r['memory_kind']}, process tree) | first batch s |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| loader | workload | data | workers | cache | samples/s | MB/s | × limit | × ceiling | × best "
+             f"| ×naive | opens/sample | peak MB ({r['memory_kind']}, process tree) | first batch s |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["runs"]:
         head = f"| {row['label']} | {row['workload']} | {row.get('data', '')} | {row['workers']} | "
         if row["error"]:
-            lines.append(head + f"{'cold' if row['cold'] else 'warm'} | error: {row['error']} |||||||")
+            lines.append(head + f"{'cold' if row['cold'] else 'warm'} | error: {row['error']} |||||||||")
             continue
         name, lim = limit_for(row, r)
         xn = f"{row['rate'] / naive[row['workers']]:.1f}" if naive.get(row["workers"]) and row["workload"] == "W1" else ""
         cold = "warm" if not row["cold"] else f"cold ({row['resident_after_evict'] * 100:.0f}% resident)"
         mbs = "" if row["mb_s"] != row["mb_s"] else f"{row['mb_s']:.0f}"
-        lines.append(head + f"{cold} | {row['rate']:.0f} | {mbs} | {row['rate'] / lim:.2f} ({name}) | {xn} | "
+        lines.append(head + f"{cold} | {row['rate']:.0f} | {mbs} | {row['rate'] / lim:.2f} ({name}) | "
+                     f"{row['x_ceiling']:.2f} | {row['x_best']:.2f} | {xn} | "
                      f"{row['opens_per_sample']:.4f} | {row['peak_mb']:.0f} | {row['first_batch_s']:.2f} |")
     lines += ["", f"Opens counted by {r['opens_method']}; memory: peak {r['memory_kind']} summed over the "
               f"loader process and its workers, sampled while they run."]

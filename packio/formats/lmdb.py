@@ -214,7 +214,11 @@ class LMDBReader(Reader):
             raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: {exc}; re-pack the dataset") from None
         key = cur.key()
         at = _address(key)
-        start = next((a for a, n in self._h_maps if a <= at < a + n), None)
+        start = None
+        for a, n in self._h_maps:  # a plain loop: a generator here cost as much as the msgpack parse
+            if a <= at < a + n:
+                start = a
+                break
         lo, hi, flags, ksize = _NODE.unpack(ctypes.string_at(at - _NODE.size, _NODE.size))  # LMDB read these
         size = lo | hi << 16
         if start is None or ksize != len(key) or flags & ~_F_BIGDATA:
