@@ -144,17 +144,38 @@ class ArrayReader(Reader):
 
     def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
         self._ensure_open()
-        idx = np.asarray([self.check_index(i) for i in indices], np.int64)
+        idx = self.check_indices(indices)
         columns, keys = self._meta()
         image = self.gather(idx)  # checks the maps first
         return {"image": image, **columns.take(idx), "key": keys[idx].tolist(), "index": idx}
 
-    def gather(self, idx: np.ndarray) -> np.ndarray:
-        """uint8[B, H, W, 3] for these indices. From a plain ndarray view of the map:
-        several times faster than np.take(out=...) on the np.memmap (tools/bench_levers.py)."""
+    def read_flat(self, indices: Any, out: np.ndarray | None = None) -> dict[str, Any]:
+        """A batch as whole arrays: ``image`` uint8[B, H, W, 3] (gathered into ``out``
+        when given), ``label`` int64[B], ``boxes`` float32[M, 4] / ``box_labels`` int64[M]
+        (sample after sample, ``counts`` int64[B] each), ``key`` list, ``index`` int64[B]."""
+        self._ensure_open()
+        idx = self.check_indices(indices)
+        columns, keys = self._meta()
+        image = self.gather(idx, out)
+        label, boxes, box_labels, counts = columns.take_flat(idx)
+        return {"image": image, "label": label, "boxes": boxes, "box_labels": box_labels, "counts": counts,
+                "key": keys[idx].tolist(), "index": idx}
+
+    def gather(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8[B, H, W, 3] for these (checked) indices, into ``out`` when given. From a
+        plain ndarray view of the map: several times faster than np.take(out=...) on the
+        np.memmap (tools/bench_levers.py); a run of consecutive indices is one slice copy."""
         self._ensure_open()
         self._h_guard.check()
-        return self._h_flat[idx]
+        flat = self._h_flat
+        if out is None:
+            return flat[idx]
+        run = len(idx) > 0 and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and bool(np.all(np.diff(idx) == 1))
+        if run:
+            np.copyto(out, flat[int(idx[0]):int(idx[-1]) + 1])
+        else:
+            np.take(flat, idx, axis=0, out=out, mode="clip")  # checked already; "raise" buffers a copy of out
+        return out
 
     def images(self) -> np.ndarray:
         """The memory-mapped ``uint8[N, H, W, 3]`` array itself."""
