@@ -34,11 +34,12 @@ def ragged(parts: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor
     return r if packed else r.split()
 
 
-def batch_buffer(n: int, h: int, w: int) -> torch.Tensor:
+def batch_buffer(n: int, h: int, w: int, pool: "BufferPool | None" = None) -> torch.Tensor:
     """``uint8[n, h, w, 3]`` for a batch's images; in a DataLoader worker it is made
-    in shared memory, so the batch crosses to the main process without a copy."""
+    in shared memory, so the batch crosses to the main process without a copy; in the
+    main process it comes from ``pool`` when given."""
     if get_worker_info() is None:
-        return torch.empty((n, h, w, 3), dtype=torch.uint8)
+        return pool.take(n, h, w) if pool is not None else torch.empty((n, h, w, 3), dtype=torch.uint8)
     storage = torch.UntypedStorage._new_shared(n * h * w * 3)
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(n, h, w, 3)
 
@@ -48,7 +49,10 @@ class BufferPool:
     is handed out again only once nothing else holds its memory (no batch, view or
     numpy array made from it is alive), so a batch a training loop keeps is never
     overwritten; while all are in use a new one is made, up to ``keep`` kept. Reuse
-    saves the page faults of fresh memory, which cost about as much as the copy itself."""
+    saves the page faults of fresh memory, which cost about as much as the copy itself,
+    and keeps glibc from raising its mmap threshold to a batch's size when one is freed
+    (after which decoded images come from the heap, which then only grows: the HDF5
+    reader's memory grew by 1.6x over an epoch that way, tools/bench_reader_memory.py)."""
 
     def __init__(self, keep: int = 4, pin: bool = False) -> None:
         self.keep, self.pin = keep, pin

@@ -189,6 +189,7 @@ class Items:
         self.errors = ErrorPolicy(on_error)
         self.decoder = Decoder(decode, output_size(resize), transform, backend, verify)
         self.pool = DecodeThreads(threads)
+        self.buffers = BufferPool()  # batch buffers, reused in the main process (pickled empty)
         self.reader: Reader = open_reader(path)
         if format_name and self.reader.manifest.format != format_name:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
@@ -235,7 +236,7 @@ class Items:
         fixed = d.decode and d.size is not None and d.transform is None and len(indices) > 1
         slots: list[Any] = [None] * len(indices)
         if fixed:  # views made once per batch, not once per sample
-            buf = batch_buffer(len(indices), *d.size)  # type: ignore[misc]
+            buf = batch_buffer(len(indices), *d.size, self.buffers)  # type: ignore[misc]
             slots = list(zip(buf.numpy(), buf.permute(0, 3, 1, 2).unbind(0)))
 
         def one(j: int) -> Item | PackioError:
