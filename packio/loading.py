@@ -54,9 +54,12 @@ class DataLoader(torch.utils.data.DataLoader):
             for k in _WORKER_ARGS:
                 kwargs.pop(k, None)
         workers = kwargs.get("num_workers", 0) > 0
-        # Our own collate over a gather-cheaply dataset: whole batches straight from the gather.
+        # Our own collate over a gather-cheaply dataset whose items are ours (a subclass may
+        # remap indices or items): whole batches straight from the gather.
+        ours = isinstance(dataset, PackedDataset) and all(
+            getattr(type(dataset), k) is getattr(PackedDataset, k) for k in ("__getitem__", "__getitems__"))
         self._pool = (BufferPool(pin=bool(kwargs.get("pin_memory")) and torch.cuda.is_available())
-                      if isinstance(dataset, PackedDataset) and isinstance(items, Items) and items.gathers_cheaply
+                      if ours and isinstance(items, Items) and items.gathers_cheaply
                       and kwargs.get("collate_fn") in (None, collate) and batch_size is not None else None)
         kwargs.setdefault("collate_fn", functools.partial(collate, packed=True) if workers else collate)
         if isinstance(dataset, PackedIterableDataset):
