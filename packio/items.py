@@ -250,18 +250,19 @@ class Items:
 
         return [self.errors(r) if isinstance(r, PackioError) else r for r in self.pool.map(one, len(indices))]
 
-    def collated(self, indices: Any, pool: BufferPool) -> dict[str, Any] | None:
+    def collated(self, indices: Any, pool: BufferPool, copiers: DecodeThreads | None = None) -> dict[str, Any] | None:
         """The whole batch as ``packio.collate`` would make it, straight from the reader's
         whole-array gather into a buffer of ``pool``, with no per-sample Python: for
         :attr:`gathers_cheaply` datasets. ``None`` when a read fails (the per-sample
-        path then finds the bad sample and applies ``on_error``)."""
+        path then finds the bad sample and applies ``on_error``). ``copiers``: threads
+        that share the copy."""
         read_flat = getattr(self.reader, "read_flat", None)
         h, w = self._stored_shape or (0, 0)
         if read_flat is None or not len(indices):
             return None
         buf = pool.take(len(indices), h, w)
         try:
-            got = read_flat(indices, buf.numpy())
+            got = read_flat(indices, buf.numpy(), copiers)
         except PackioError:
             return None
         counts = got["counts"].tolist()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any, Iterator
 
 import torch
@@ -20,7 +21,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from packio.collation import BufferPool, collate, unpack
 from packio.datasets import PackedDataset, PackedIterableDataset, ResumableSampler, _Pass, _Resumable
 from packio.errors import StateError
-from packio.items import Items
+from packio.items import DecodeThreads, Items
 from packio.order import check_int
 
 __all__ = ["DataLoader"]
@@ -40,19 +41,23 @@ class DataLoader(torch.utils.data.DataLoader):
     continues from there with any ``num_workers`` and any world size.
 
     Memory-mapped fixed-shape arrays (``.npy``, nothing to decode, resize or
-    transform) are gathered a batch at a time in the main process: ``num_workers``
-    and the other worker settings are then not used, since sending the batch from
-    a worker costs more than the gather itself (tools/bench_levers.py).
+    transform) are gathered a batch at a time in the main process, since sending the
+    batch from a worker costs more than the gather itself (tools/bench_levers.py):
+    ``num_workers`` threads share each batch's copy instead (one core does not reach
+    the memory bandwidth), and the other worker settings are not used.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, **kwargs: Any) -> None:
         if batch_size is not None:
             batch_size = check_int("batch_size", batch_size, 1)
         items = getattr(dataset, "items", None)
+        copiers = 0
         if isinstance(items, Items) and items.gathers_cheaply and kwargs.get("num_workers", 0):
-            log.info("packio: memory-mapped arrays are gathered in the main process; num_workers is not used")
+            log.info("packio: memory-mapped arrays are gathered in the main process; num_workers threads copy")
+            copiers = min(check_int("num_workers", kwargs["num_workers"], 0), os.cpu_count() or 1)
             for k in _WORKER_ARGS:
                 kwargs.pop(k, None)
+        self._copiers = DecodeThreads(copiers)
         workers = kwargs.get("num_workers", 0) > 0
         # Our own collate over a gather-cheaply dataset whose items are ours (a subclass may
         # remap indices or items): whole batches straight from the gather.
@@ -121,7 +126,7 @@ class DataLoader(torch.utils.data.DataLoader):
     def _gathered_batches(self, pool: BufferPool) -> Iterator[Any]:
         items = self.dataset.items
         for indices in self.batch_sampler:
-            batch = items.collated(indices, pool)
+            batch = items.collated(indices, pool, self._copiers)
             if batch is None:  # a read failed: the per-sample path finds the bad sample, applies on_error
                 batch = collate(self.dataset.__getitems__(indices))
             if pool.pin:
