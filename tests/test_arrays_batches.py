@@ -41,7 +41,7 @@ def test_arrays_batches_are_whole_gathers_into_reused_buffers(arrays, monkeypatc
         raise AssertionError("the per-sample path was used")
 
     monkeypatch.setattr(Items, "get", per_sample)
-    loader = packio.DataLoader(arrays, batch_size=5, shuffle=shuffle, num_workers=2)  # nw: gathered here anyway
+    loader = packio.DataLoader(arrays, batch_size=5, shuffle=shuffle, num_workers=2)  # 2 threads share each copy
     kept = list(loader)  # every batch kept alive: none may be overwritten by a later one
     assert len({b["image"].data_ptr() for b in kept}) == len(kept)
     assert sorted(_check(arrays, kept)) == list(range(len(arrays)))
