@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["Ragged", "ragged", "batch_buffer", "slots_of_one_buffer", "unpack", "collate", "Leased"]
+__all__ = ["Ragged", "ragged", "batch_buffer", "BufferPool", "slots_of_one_buffer", "unpack", "collate", "Leased"]
 
 
 class Ragged:
@@ -85,12 +85,13 @@ def _rings() -> dict[tuple[int, int, int], _Ring]:
     return _RINGS
 
 
-def batch_buffer(n: int, h: int, w: int) -> torch.Tensor:
+def batch_buffer(n: int, h: int, w: int, pool: "BufferPool | None" = None) -> torch.Tensor:
     """``uint8[n, h, w, 3]`` for a batch's images; in a DataLoader worker it is a
     shared-memory slot of the worker's ring (see :class:`_Ring`), so the batch
-    crosses to the main process without a copy or a fresh allocation."""
+    crosses to the main process without a copy or a fresh allocation; in the main
+    process it comes from ``pool`` when given (see :class:`BufferPool`)."""
     if get_worker_info() is None:
-        return torch.empty((n, h, w, 3), dtype=torch.uint8)
+        return pool.take(n, h, w) if pool is not None else torch.empty((n, h, w, 3), dtype=torch.uint8)
     rings = _rings()
     ring = rings.get((n, h, w))
     if ring is None:
@@ -141,6 +142,39 @@ class Leased:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _rebuild_leased, (self.images, self.busy, self.k)
+
+
+class BufferPool:
+    """Reusable ``uint8[n, h, w, 3]`` batch buffers (pinned with ``pin=True``): a buffer
+    is handed out again only once nothing else holds its memory (no batch, view or
+    numpy array made from it is alive), so a batch a training loop keeps is never
+    overwritten; while all are in use a new one is made, up to ``keep`` kept. Reuse
+    saves the page faults of fresh memory, which cost about as much as the copy itself,
+    and keeps glibc from raising its mmap threshold to a batch's size when one is freed
+    (after which decoded images come from the heap, which then only grows: the HDF5
+    reader's memory grew by 1.6x over an epoch that way, tools/bench_reader_memory.py)."""
+
+    def __init__(self, keep: int = 4, pin: bool = False) -> None:
+        self.keep, self.pin = keep, pin
+        self._free: list[tuple[torch.Tensor, int]] = []  # (buffer, its storage's use count when idle)
+
+    @staticmethod
+    def _uses(t: torch.Tensor) -> int:
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+    def take(self, n: int, h: int, w: int) -> torch.Tensor:
+        for buf, idle in self._free:
+            if buf.shape[0] >= n and buf.shape[1:3] == (h, w) and self._uses(buf) == idle:
+                return buf[:n]
+        buf = torch.empty((n, h, w, 3), dtype=torch.uint8, pin_memory=self.pin)
+        if hasattr(torch._C, "_storage_Use_Count"):  # private API: without it, never reuse
+            if len(self._free) >= self.keep:
+                self._free.pop(0)
+            self._free.append((buf, self._uses(buf)))
+        return buf
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _free=[])
 
 
 def slots_of_one_buffer(images: list[Any]) -> torch.Tensor | None:

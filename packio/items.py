@@ -19,7 +19,7 @@ import torch
 
 from packio import decode as dec
 from packio import geometry as geo
-from packio.collation import batch_buffer
+from packio.collation import BufferPool, batch_buffer
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
 from packio.formats.base import Reader
@@ -186,6 +186,7 @@ class Items:
         self.errors = ErrorPolicy(options.on_error)
         self.decoder = Decoder(options)
         self.pool = DecodeThreads(options.threads)
+        self.buffers = BufferPool()  # batch buffers, reused in the main process (pickled empty)
         self.reader: Reader = open_reader(path)
         if format_name and self.reader.manifest.format != format_name:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
@@ -231,7 +232,7 @@ class Items:
         fixed = d.decode and d.size is not None and d.transform is None and len(indices) > 1
         slots: list[Any] = [None] * len(indices)
         if fixed:  # views made once per batch, not once per sample
-            buf = batch_buffer(len(indices), *d.size)  # type: ignore[misc]
+            buf = batch_buffer(len(indices), *d.size, self.buffers)  # type: ignore[misc]
             slots = list(zip(buf.numpy(), buf.permute(0, 3, 1, 2).unbind(0)))
         samples: list[Sample | PackioError | None]
         lock = None
@@ -258,6 +259,28 @@ class Items:
                 return exc
 
         return [self.errors(r) if isinstance(r, PackioError) else r for r in self.pool.map(one, len(indices))]
+
+    def collated(self, indices: Any, pool: BufferPool, copiers: DecodeThreads | None = None) -> dict[str, Any] | None:
+        """The whole batch as ``packio.collate`` would make it, straight from the reader's
+        whole-array gather into a buffer of ``pool``, with no per-sample Python: for
+        :attr:`gathers_cheaply` datasets. ``None`` when a read fails (the per-sample
+        path then finds the bad sample and applies ``on_error``). ``copiers``: threads
+        that share the copy."""
+        read_flat = getattr(self.reader, "read_flat", None)
+        h, w = self._stored_shape or (0, 0)
+        if read_flat is None or not len(indices):
+            return None
+        buf = pool.take(len(indices), h, w)
+        try:
+            got = read_flat(indices, buf.numpy(), copiers)
+        except PackioError:
+            return None
+        counts = got["counts"].tolist()
+        boxes = torch.from_numpy(got["boxes"]).split(counts)
+        box_labels = torch.from_numpy(got["box_labels"]).split(counts)
+        return {"image": buf.permute(0, 3, 1, 2), "label": torch.from_numpy(got["label"]),
+                "boxes": list(boxes), "box_labels": list(box_labels), "key": got["key"],
+                "index": torch.from_numpy(got["index"])}
 
     @staticmethod
     def _gathered(got: dict[str, Any]) -> list[Item]:

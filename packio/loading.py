@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any, Iterator
 
 import torch
 
-from packio.collation import collate, unpack
-from packio.datasets import PackedIterableDataset, ResumableSampler, _Pass, _Resumable
+from torch.utils.data._utils.pin_memory import pin_memory
+
+from packio.collation import BufferPool, collate, unpack
+from packio.datasets import PackedDataset, PackedIterableDataset, ResumableSampler, _Pass, _Resumable
 from packio.errors import StateError
-from packio.items import Items
+from packio.items import DecodeThreads, Items
 from packio.order import check_int
 
 __all__ = ["DataLoader"]
@@ -38,20 +41,31 @@ class DataLoader(torch.utils.data.DataLoader):
     continues from there with any ``num_workers`` and any world size.
 
     Memory-mapped fixed-shape arrays (``.npy``, nothing to decode, resize or
-    transform) are gathered a batch at a time in the main process: ``num_workers``
-    and the other worker settings are then not used, since sending the batch from
-    a worker costs more than the gather itself (tools/bench_levers.py).
+    transform) are gathered a batch at a time in the main process, since sending the
+    batch from a worker costs more than the gather itself (tools/bench_levers.py):
+    ``num_workers`` threads share each batch's copy instead (one core does not reach
+    the memory bandwidth), and the other worker settings are not used.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, **kwargs: Any) -> None:
         if batch_size is not None:
             batch_size = check_int("batch_size", batch_size, 1)
         items = getattr(dataset, "items", None)
+        copiers = 0
         if isinstance(items, Items) and items.gathers_cheaply and kwargs.get("num_workers", 0):
-            log.info("packio: memory-mapped arrays are gathered in the main process; num_workers is not used")
+            log.info("packio: memory-mapped arrays are gathered in the main process; num_workers threads copy")
+            copiers = min(check_int("num_workers", kwargs["num_workers"], 0), os.cpu_count() or 1)
             for k in _WORKER_ARGS:
                 kwargs.pop(k, None)
+        self._copiers = DecodeThreads(copiers)
         workers = kwargs.get("num_workers", 0) > 0
+        # Our own collate over a gather-cheaply dataset whose items are ours (a subclass may
+        # remap indices or items): whole batches straight from the gather.
+        ours = isinstance(dataset, PackedDataset) and all(
+            getattr(type(dataset), k) is getattr(PackedDataset, k) for k in ("__getitem__", "__getitems__"))
+        self._pool = (BufferPool(pin=bool(kwargs.get("pin_memory")) and torch.cuda.is_available())
+                      if ours and isinstance(items, Items) and items.gathers_cheaply
+                      and kwargs.get("collate_fn") in (None, collate) and batch_size is not None else None)
         kwargs.setdefault("collate_fn", functools.partial(collate, packed=True) if workers else collate)
         if isinstance(dataset, PackedIterableDataset):
             dataset.batch_size = batch_size  # each worker then makes whole batches, in the rank's order
@@ -89,17 +103,35 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:
         target = self.resumable
         if target is None:
-            yield from map(unpack, super().__iter__())
+            yield from map(unpack, self._batches())
             return
         if isinstance(target, PackedIterableDataset) and (target.batch_size or 1) != self._chunk:
             raise ValueError(f"the dataset's batch_size is now {target.batch_size}, this loader's is "
                              f"{self.batch_size}: give each packio.DataLoader its own dataset")
         p = self._pass = target._begin()
         own = p.split.lengths()[p.split.rank]
-        for batch in super().__iter__():
+        for batch in self._batches():
             p.taken = min(p.taken + self._chunk, own)
             yield unpack(batch)
         target._end(p)
+
+    def _batches(self) -> Iterator[Any]:
+        """torch's iteration, or for memory-mapped arrays each batch gathered whole into a
+        reusable (pinned with ``pin_memory``) buffer: the batch sampler's indices → one
+        gather, no per-sample items, no collate."""
+        if self._pool is None:
+            return super().__iter__()
+        return self._gathered_batches(self._pool)
+
+    def _gathered_batches(self, pool: BufferPool) -> Iterator[Any]:
+        items = self.dataset.items
+        for indices in self.batch_sampler:
+            batch = items.collated(indices, pool, self._copiers)
+            if batch is None:  # a read failed: the per-sample path finds the bad sample, applies on_error
+                batch = collate(self.dataset.__getitems__(indices))
+            if pool.pin:
+                batch = pin_memory(batch)  # labels, boxes, ...: the images are pinned already
+            yield batch
 
     def state_dict(self) -> dict[str, Any]:
         """The global position after the batches yielded so far (JSON-safe, the same on every rank)."""

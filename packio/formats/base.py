@@ -183,7 +183,7 @@ class Reader(ABC):
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        for name in ("_open", "read", "read_many", "read_batch"):
+        for name in ("_open", "read", "read_many", "read_batch", "read_flat"):
             if name in cls.__dict__:
                 setattr(cls, name, _guarded(cls.__dict__[name], name == "_open"))
 
@@ -296,6 +296,19 @@ class Reader(ABC):
         if not -n <= i < n:
             raise IndexError(f"sample index {i} out of range for {n} samples")
         return int(i) % n if n else int(i)
+
+    def check_indices(self, indices: Any) -> np.ndarray:
+        """:meth:`check_index` for a batch at once: int64[B], negatives wrapped."""
+        idx = np.asarray(indices)
+        if (idx.ndim != 1 or (len(idx) and (idx.dtype.kind not in "iu"))
+                or (not isinstance(indices, np.ndarray) and any(isinstance(i, bool) for i in indices))):
+            return np.asarray([self.check_index(i) for i in indices], np.int64)  # its TypeError names the culprit
+        idx = idx.astype(np.int64, copy=False)
+        n = len(self)
+        if len(idx) and (int(idx.min()) < -n or int(idx.max()) >= n):
+            bad = idx[(idx < -n) | (idx >= n)][0]
+            raise IndexError(f"sample index {bad} out of range for {n} samples")
+        return np.where(idx < 0, idx + n, idx) if len(idx) and int(idx.min()) < 0 else idx
 
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_h_")}

@@ -82,3 +82,18 @@ class Columns:
         a, b = self.box_offsets[idx].tolist(), self.box_offsets[idx + 1].tolist()
         return {"label": self.labels[idx], "boxes": [self.boxes[x:y] for x, y in zip(a, b)],
                 "box_labels": [self.box_labels[x:y] for x, y in zip(a, b)]}
+
+    def take_flat(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(labels[B], boxes[M, 4], box_labels[M], counts[B])`` for these sample indices:
+        the batch's boxes as one block, sample after sample (``counts`` boxes each), gathered
+        with a few numpy calls whatever the batch size (a plain slice for a run of indices)."""
+        starts, ends = self.box_offsets[idx], self.box_offsets[idx + 1]
+        counts = ends - starts
+        if len(idx) and bool(np.all(starts[1:] == ends[:-1])):  # consecutive samples: one run of rows
+            rows: slice | np.ndarray = slice(int(starts[0]), int(ends[-1]))  # copied below: not a view of the column
+        else:  # row r of the block is box (r - first row of its sample) of that sample
+            firsts = np.cumsum(counts) - counts
+            rows = np.repeat(starts - firsts, counts) + np.arange(int(counts.sum()))
+        if isinstance(rows, slice):
+            return self.labels[idx], self.boxes[rows].copy(), self.box_labels[rows].copy(), counts
+        return self.labels[idx], self.boxes[rows], self.box_labels[rows], counts
