@@ -637,16 +637,22 @@ def render(r: dict[str, Any]) -> str:
     ncpu = r["cpus"]
     ratios(r)
     naive = {row["workers"]: row["rate"] for row in r["runs"] if row["label"].startswith("naive")}
+    pre = ", ".join(n for n, p in r["pack"].items() if isinstance(p, dict) and p.get("data") == "pre-resized")
+
+    def rate(key: str) -> str:  # --quick leaves some limits unmeasured: say so, never "nan/s"
+        v = L.get(key)
+        return "not measured" if v is None or v != v else f"{v:.0f}/s"
+
     lines = [f"### packio bench — {r['source']}, {ncpu} CPUs, median of {r['repeats']}",
              "",
              f"- **W1**: {WORKLOADS['W1']}, from the original bytes or from bytes stored pre-resized "
-             f"(short side 256: {', '.join(n for n, p in r['pack'].items() if isinstance(p, dict) and p.get('data') == 'pre-resized')}).",
+             f"(short side 256: {pre or 'none in this run'}).",
              f"- **W2**: {WORKLOADS['W2']}.",
              f"- Limits (this machine, same rounds): **L1** decode + resize {SIZE}² of in-memory original bytes: "
-             f"{L['L1_1proc']:.0f}/s in 1 process (L1·1), {L[f'L1_{ncpu}proc']:.0f}/s in {ncpu}; "
-             f"**L1pre** the same on pre-resized bytes: {L.get('L1_pre256_1proc', float('nan')):.0f}/s in 1 "
-             f"(L1pre·1), {L['L1_pre256']:.0f}/s in {ncpu}; **L2** uint8 {SIZE}² copy from a page-cached memmap: "
-             f"{L['L2_per_sample']:.0f}/s per sample, {L['L2_batched']:.0f}/s {BATCH} at a time.",
+             f"{rate('L1_1proc')} in 1 process (L1·1), {rate(f'L1_{ncpu}proc')} in {ncpu}; "
+             f"**L1pre** the same on pre-resized bytes: {rate('L1_pre256_1proc')} in 1 "
+             f"(L1pre·1), {rate('L1_pre256')} in {ncpu}; **L2** uint8 {SIZE}² copy from a page-cached memmap: "
+             f"{rate('L2_per_sample')} per sample, {rate('L2_batched')} {BATCH} at a time.",
              "- **× limit**: samples/s over the limit for the same data and number of processes "
              "(workers = 0 and no decode threads: the 1-process limit). "
              f"**× ceiling**: over the limit with all {ncpu} cores. **× best**: over the fastest run "
