@@ -384,7 +384,7 @@ class RecordBlob:
     def __del__(self) -> None:
         try:
             self.close()
-        except OSError:
+        except (OSError, AttributeError, TypeError):  # at interpreter exit ``os`` may already be None
             pass
 
 
