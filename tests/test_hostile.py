@@ -400,19 +400,26 @@ def test_crafted_lmdb_pages(world):
 
 
 def test_one_damaged_lmdb_node_spoils_only_its_sample(tmp_path):
-    """After LMDB reports a damaged node, the other samples still read (no poisoned transaction)."""
-    src = tmp_path / "src" / "c"
-    src.mkdir(parents=True)
+    """LMDB marks its transaction bad after reporting a damaged page: the reader must start a
+    fresh one, or every later sample reads as corrupt (and on_error="skip" drops good ones)."""
+    import cv2
+
+    src = tmp_path / "src"
     for k in range(6):
-        (src / f"{k}.jpg").write_bytes(jpeg(60 + 5 * k, 80, seed=k))
-    p = Path(packio.convert(src.parent, tmp_path / "node.lmdb", progress=False).output)
+        (src / ("ants" if k % 2 else "bees")).mkdir(parents=True, exist_ok=True)
+        (src / ("ants" if k % 2 else "bees") / f"{k}.jpg").write_bytes(jpeg(60 + 5 * k, 80, seed=k))
+    (src / "bees" / "p.png").write_bytes(cv2.imencode(".png", photo(30, 40, 5))[1].tobytes())
+    p = Path(packio.convert(src, tmp_path / "node.lmdb", progress=False).output)
     data = bytearray((p / "data.mdb").read_bytes())
     at = data.find(b"0000000003")
     data[at - 8:at - 4] = struct.pack("<HH", 0xFFFF, 0x7FFF)  # the value's size: 2 GB
     (p / "data.mdb").write_bytes(bytes(data))
-    ds = packio.open_dataset(p, decode=False, on_error="skip")
-    got = [None if ds[i] is None else ds[i]["key"] for i in range(len(ds))]
-    assert got == ["c/0.jpg", "c/1.jpg", "c/2.jpg", None, "c/4.jpg", "c/5.jpg"]
+    ds = packio.open_dataset(p, decode=False)
+    with pytest.raises(packio.CorruptSampleError, match="MDB_CORRUPTED"):  # LMDB's own check, this layout
+        ds[3]
+    assert [ds[i]["index"] for i in (4, 5, 6, 0)] == [4, 5, 6, 0]
+    skipping = packio.open_dataset(p, decode=False, on_error="skip")
+    assert [skipping[i] is None for i in range(len(skipping))] == [False, False, False, True, False, False, False]
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tar", "bmp", "arrays", "hdf5"])

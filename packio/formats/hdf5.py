@@ -348,7 +348,7 @@ class HDF5Reader(Reader):
                         "box_labels": _array(f, "box_labels", "<i8", (len(boxes),), size),
                         "box_offsets": _array(f, "box_offsets", "<i8", (n + 1,), size)}
             self._h_meta = Columns.checked({k: d[:] for k, d in declared.items()}, n, str(self.path))
-        idx = np.asarray([self.check_index(i) for i in indices], np.int64)
+        idx = self.check_indices(indices)
         d = self._h_images
         out = np.empty((len(idx), *d.shape[1:]), np.uint8)
         for j, i in enumerate(idx.tolist()):

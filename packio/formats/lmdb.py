@@ -205,13 +205,13 @@ class LMDBReader(Reader):
             try:
                 return self._h_txn.get(_key(i))
             except lmdb.Error as exc:
-                raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: {exc}; re-pack the dataset") from None
+                raise self._damaged(i, exc) from None
         cur = self._h_cursor
         try:
             if not cur.set_key(_key(i)):
                 return None
         except lmdb.Error as exc:  # a damaged page on the way to the key
-            raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: {exc}; re-pack the dataset") from None
+            raise self._damaged(i, exc) from None
         key = cur.key()
         at = _address(key)
         start = None
@@ -232,6 +232,14 @@ class LMDBReader(Reader):
             raise CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: the value's {size} bytes lie outside the "
                                               f"file's pages (a damaged LMDB node); re-pack the dataset")
         return cur.value()
+
+    def _damaged(self, i: int, exc: lmdb.Error) -> CorruptSampleError:
+        """The error for sample i, after dropping the handles: LMDB marks a transaction
+        bad after an error, and every later read in it would fail too (MDB_BAD_TXN),
+        so the next read opens a fresh one."""
+        self._drop_handles()
+        self._pid = None
+        return CorruptSampleError(f"#{i}", f"{self.path}/data.mdb: {exc}; re-pack the dataset")
 
     def _drop_handles(self) -> None:
         self.__dict__.pop("_h_cursor", None)
