@@ -45,7 +45,8 @@ def _shared(n: int, h: int, w: int) -> torch.Tensor:
 class _Ring:
     """A worker's reusable shared-memory batch buffers of one shape. A fresh
     shared-memory buffer costs its page faults and zeroing on both sides (~10 % of
-    a worker's time at W1, tools/bench_w1.py); a slot is reused only once the main
+    a worker's time at W1 on a loaded machine; no difference on a quiet one,
+    tools/bench_w1.py --compare); a slot is reused only once the main
     process has let go of every tensor on it, which it says through ``busy``
     (a shared byte per slot: the worker sets it when it fills the slot, the main
     process clears it when its storage has no tensor left, see :class:`Leased`)."""
