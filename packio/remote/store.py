@@ -151,6 +151,10 @@ class Store:
             except RemoteError:
                 raise
             except FileNotFoundError as exc:
+                cause = exc.__cause__  # fsspec's http client turns every failure into this
+                if cause is not None and _kind(cause) in ("unreachable", "timeout"):
+                    self._retry_or_raise(what, url, cause, k, deadline)
+                    continue
                 bucket = "bucket" in str(exc).lower()
                 raise RemoteNotFoundError(
                     f"{url}: {'the bucket does not exist; create it first' if bucket else 'not found'}"
@@ -159,13 +163,17 @@ class Store:
                 raise RemoteAccessError(f"{url}: access denied; check the credentials in your environment "
                                         f"(AWS_* variables, ~/.aws/credentials, ...) and the permissions") from None
             except Exception as exc:  # clients raise many unrelated types; classify, then retry or stop
-                kind, wait = _kind(exc), self.retry.delay(k)
-                last = k == self.retry.attempts - 1 or time.monotonic() + wait > deadline
-                if kind in ("permanent", "range") or last:
-                    raise _error(kind, what, url, exc, k + 1) from None
-                log.warning("packio: %s %s failed (%s); retrying in %.1f s", what, url, type(exc).__name__, wait)
-                time.sleep(wait)
+                self._retry_or_raise(what, url, exc, k, deadline)
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _retry_or_raise(self, what: str, url: str, exc: BaseException, k: int, deadline: float) -> None:
+        """Wait before try ``k + 2``, or raise when the error is permanent or time is up."""
+        kind, wait = _kind(exc), self.retry.delay(k)
+        last = k == self.retry.attempts - 1 or time.monotonic() + wait > deadline
+        if kind in ("permanent", "range") or last:
+            raise _error(kind, what, url, exc, k + 1) from None
+        log.warning("packio: %s %s failed (%s); retrying in %.1f s", what, url, type(exc).__name__, wait)
+        time.sleep(wait)
 
     def read(self, rel: str, limit: int) -> bytes:
         """A whole (small) object, at most ``limit`` bytes (else a ``RemoteError``)."""

@@ -68,6 +68,8 @@ class _Lock:
 
     def acquire(self) -> None:
         for _ in range(2):
+            if self.store.exists(self.rel) and not self._expired():  # for stores without If-None-Match
+                raise self._busy()
             try:
                 self.store.put_bytes(self._body(), self.rel, create=True)
             except RemoteError:  # 412: there is one; take it over only once it has expired
