@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import get_worker_info
@@ -48,8 +48,8 @@ class Batch(Sequence):
     ``index`` int64[B], ``boxes`` float32[M, 4] / ``box_labels`` int64[M] sample after
     sample (``counts`` each), ``key``, and ``kept`` (False for a skipped corrupt sample).
 
-    It is a sequence of per-sample dicts (``None`` for a skipped sample), each built
-    when asked for, so torch's ``default_collate`` and any collate function work on it;
+    It is a sequence of per-sample dicts (``None`` for a skipped sample), made when
+    first asked for, so torch's ``default_collate`` and any collate function work on it;
     :func:`collate` takes the columns as they are. Every tensor in it is fresh: packio
     never writes into it again.
     """
@@ -60,25 +60,32 @@ class Batch(Sequence):
         self.image, self.label, self.index, self.key = image, label, index, key
         self.boxes, self.box_labels, self.counts = boxes, box_labels, counts
         self.kept = kept if kept is not None and not all(kept) else None
-        self._split: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._items: list[Item | None] | None = None
 
     def __len__(self) -> int:
         return len(self.key)
 
-    def _per_sample(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if self._split is None:  # views of the flat columns: two calls per batch, not per sample
-            self._split = list(self.boxes.split(self.counts)), list(self.box_labels.split(self.counts))
-        return self._split
+    def _all(self) -> list[Item | None]:
+        """The per-sample dicts, made on first use (all at once: a few calls per batch,
+        then plain list access, as a collate function reads every sample once per field)."""
+        if self._items is None:
+            images = self.image.unbind(0) if isinstance(self.image, torch.Tensor) else self.image
+            boxes, box_labels = self.boxes.split(self.counts), self.box_labels.split(self.counts)
+            rows = zip(images, self.label.tolist(), boxes, box_labels, self.key, self.index.tolist())
+            self._items = [{"image": im, "label": lab, "boxes": b, "box_labels": bl, "key": k, "index": i}
+                           for im, lab, b, bl, k, i in rows]
+            if self.kept is not None:
+                self._items = [x if ok else None for x, ok in zip(self._items, self.kept)]
+        return self._items
 
     def __getitem__(self, j: int) -> Item | None:  # type: ignore[override]
         j = operator.index(j)  # a sample position; slices are not supported
         if not -len(self) <= j < len(self):
             raise IndexError(f"sample position {j} out of range for a batch of {len(self)}")
-        if self.kept is not None and not self.kept[j]:
-            return None
-        boxes, box_labels = self._per_sample()
-        return {"image": self.image[j], "label": int(self.label[j]), "boxes": boxes[j], "box_labels": box_labels[j],
-                "key": self.key[j], "index": int(self.index[j])}
+        return self._all()[j]
+
+    def __iter__(self) -> Iterator[Item | None]:
+        return iter(self._all())
 
     def collated(self, packed: bool = False) -> dict[str, Any]:
         """The batch dict (see :func:`collate`), without the skipped samples."""

@@ -103,3 +103,32 @@ def test_resize_without_decode_is_an_error(lmdb, arrays):
             packio.open_dataset(path, decode=False, resize=16)
         with pytest.raises(ValueError, match="decode"):
             packio.DecodeOptions(decode=False, resize=(8, 8))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_skipped_sample_leaves_the_rest_of_its_batch_intact(lmdb, monkeypatch, workers):
+    from packio.errors import CorruptSampleError
+
+    ref_ds = packio.open_dataset(lmdb, resize=(16, 16))
+    ref = {i: ref_ds[i]["image"] for i in range(len(ref_ds))}
+    reader_cls = type(ref_ds.reader)
+    real = reader_cls.read
+
+    def read(self, i):
+        if i == 5:
+            raise CorruptSampleError("#5", "damaged on purpose")
+        return real(self, i)
+
+    monkeypatch.setattr(reader_cls, "read", read)  # inherited by the forked workers
+    ds = packio.open_dataset(lmdb, resize=(16, 16), on_error="skip")
+    got = ds.__getitems__([4, 5, 6])
+    assert got[1] is None and [x["index"] for x in got if x] == [4, 6]
+    kw = {"multiprocessing_context": "fork"} if workers else {}
+    seen = []
+    for b in packio.DataLoader(ds, batch_size=3, num_workers=workers, **kw):
+        assert b["image"].shape[0] == len(b["key"]) == len(b["boxes"]) == len(b["label"])
+        for j, i in enumerate(b["index"].tolist()):
+            assert torch.equal(b["image"][j], ref[i])
+            assert torch.equal(b["boxes"][j], ref_ds[i]["boxes"])
+        seen += b["index"].tolist()
+    assert sorted(seen) == [i for i in range(len(ref)) if i != 5]
