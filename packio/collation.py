@@ -31,6 +31,10 @@ class Ragged:
     def split(self) -> list[torch.Tensor]:
         return list(self.flat.split(self.lengths)) if self.lengths else []
 
+    def pin_memory(self, *args: Any) -> "Ragged":
+        """What torch's pin-memory thread calls (``pin_memory=True``): the flat tensor pinned."""
+        return Ragged(self.flat.pin_memory(*args), self.lengths)
+
 
 def ragged(parts: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor] | Ragged:
     """``packed``: one Ragged. Otherwise, in a DataLoader worker, views of one block

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from packio.collation import Batch
 from packio.errors import PackioError, StateError
 from packio.formats.base import Reader
-from packio.collation import Batch
 from packio.items import Item, Items
 from packio.options import DecodeOptions, merge_options
 from packio.order import (Split, check_even, check_int, dist_info, dist_world, epoch_order, make_state,

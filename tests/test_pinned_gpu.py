@@ -34,7 +34,7 @@ def _batches(path, kw, workers):
     n = 0
     while True:
         for b in loader:
-            assert b["image"].is_pinned()
+            assert b["image"].is_pinned() and all(x.is_pinned() for x in b["boxes"])
             yield b
             n += 1
             if n == STEPS:
