@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from packio.collation import Batch
 from packio.errors import PackioError, StateError
 from packio.formats.base import Reader
 from packio.items import Item, Items
@@ -47,8 +48,8 @@ class PackedDataset(Dataset):
     ``on_error="skip"`` returns ``None`` for a corrupt sample (``packio.collate`` drops it).
     ``threads=N`` decodes each batch with N threads in whichever process reads it.
     ``__getitems__`` (what torch's DataLoader calls with a batch's indices) returns
-    the list of samples, read in one go, so any collate function works; with
-    ``packio.collate`` a batch of one-shape images is handed out without a copy.
+    the batch, read in one go, as a list-like of sample dicts, so any collate function
+    works; ``packio.collate`` hands its one-shape images on without a copy.
     """
 
     format_name: str | None = None
@@ -72,8 +73,10 @@ class PackedDataset(Dataset):
     def __getitem__(self, i: int) -> Item | None:
         return self.items.get([self.reader.check_index(i)])[0]
 
-    def __getitems__(self, indices: list[int]) -> list[Item | None]:
-        return self.items.get([self.reader.check_index(i) for i in indices])
+    def __getitems__(self, indices: list[int]) -> Batch:
+        """The batch, read in one go: a list-like :class:`packio.collation.Batch` of
+        sample dicts (``None`` for a skipped one) that any collate function takes."""
+        return self.items.get(indices)
 
     def sample(self, i: int) -> Sample:
         """The stored sample itself (payload bytes/array and record), undecoded."""
@@ -256,6 +259,8 @@ class PackedIterableDataset(_Resumable, IterableDataset):
         self._pass: _Pass | None = None
         self._generation = 0
         self._worker_resume: dict[str, Any] | None = None  # a worker's own state, loaded inside it
+        self.whole_batches = False  # set by packio.DataLoader: yield whole batches (Batch), not sample dicts
+        self.drop_last = False  # with whole_batches: leave out a last batch shorter than batch_size
 
     @property
     def reader(self) -> Reader:
@@ -318,10 +323,17 @@ class PackedIterableDataset(_Resumable, IterableDataset):
         return _Pass(resume["epoch"], split, self._generation, taken=resume["done"], worker=(worker, workers),
                      chunk=chunk)
 
-    def _stream(self, seq: np.ndarray, p: _Pass) -> Iterator[Item | None]:
+    def _stream(self, seq: np.ndarray, p: _Pass) -> Iterator[Batch | Item | None]:
         step = p.chunk
         for a in range(p.taken, len(seq), step):
-            for item in self.items.get(seq[a:a + step].tolist()):
+            batch = self.items.get(seq[a:a + step])
+            if self.whole_batches:  # packio.DataLoader's: one Batch per step
+                if self.drop_last and len(batch) < step:
+                    break
+                p.taken += len(batch)
+                yield batch
+                continue
+            for item in batch:
                 p.taken += 1
                 yield item
         if p.worker is None:

@@ -115,6 +115,9 @@ class DecodeOptions:
         size = _output_size(self.resize)
         if size is not None:
             dec.check_pixels(size[1], size[0])  # ValueError: the resize target is the user's
+        if size is not None and not self.decode:
+            raise ValueError(f"resize={self.resize!r} needs decode=True: with decode=False the stored bytes are "
+                             f"handed out as they are; resize after your own decode, or drop resize=")
         object.__setattr__(self, "resize", size)
 
 
