@@ -46,7 +46,7 @@ class _Ring:
     """A worker's reusable shared-memory batch buffers of one shape. A fresh
     shared-memory buffer costs its page faults and zeroing on both sides (~10 % of
     a worker's time at W1 on a loaded machine; no difference on a quiet one,
-    tools/bench_w1.py --compare); a slot is reused only once the main
+    benchmarks/loader.py w1 --compare); a slot is reused only once the main
     process has let go of every tensor on it, which it says through ``busy``
     (a shared byte per slot: the worker sets it when it fills the slot, the main
     process clears it when its storage has no tensor left, see :class:`Leased`)."""
@@ -153,7 +153,7 @@ class BufferPool:
     saves the page faults of fresh memory, which cost about as much as the copy itself,
     and keeps glibc from raising its mmap threshold to a batch's size when one is freed
     (after which decoded images come from the heap, which then only grows: the HDF5
-    reader's memory grew by 1.6x over an epoch that way, tools/bench_reader_memory.py)."""
+    reader's memory grew by 1.6x over an epoch that way, benchmarks/loader.py memory)."""
 
     def __init__(self, keep: int = 4, pin: bool = False) -> None:
         self.keep, self.pin = keep, pin
@@ -230,7 +230,7 @@ def collate(items: list[dict[str, Any] | None], packed: bool = False) -> dict[st
             images = Leased(block, slot[0].busy, slot[1])
     elif all(isinstance(im, torch.Tensor) for im in images) and len({im.shape for im in images}) == 1:
         # Decoded images are CHW views of HWC pixels: stack the HWC memory (a plain
-        # copy; stacking the strided views is slower, see tools/bench_levers.py) and
+        # copy; stacking the strided views is slower, see benchmarks/loader.py levers) and
         # return NCHW in channels_last memory.
         hwc = all(im.dim() == 3 and im.permute(1, 2, 0).is_contiguous() for im in images)
         parts = [im.permute(1, 2, 0) for im in images] if hwc else images

@@ -216,7 +216,7 @@ class Items:
     @property
     def gathers_cheaply(self) -> bool:
         """Batches are one gather from a page-cached memory map: reading them in the
-        main process beats sending them from DataLoader workers (tools/bench_levers.py)."""
+        main process beats sending them from DataLoader workers (benchmarks/loader.py levers)."""
         return self.reader.cheap_gather and self.raw_batches
 
     def get(self, indices: Sequence[int]) -> list[Item | None]:

@@ -42,7 +42,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     Memory-mapped fixed-shape arrays (``.npy``, nothing to decode, resize or
     transform) are gathered a batch at a time in the main process, since sending the
-    batch from a worker costs more than the gather itself (tools/bench_levers.py):
+    batch from a worker costs more than the gather itself (benchmarks/loader.py levers):
     ``num_workers`` threads share each batch's copy instead (one core does not reach
     the memory bandwidth), and the other worker settings are not used.
     """

@@ -38,7 +38,7 @@ def _npy_header(shape: tuple[int, ...]) -> bytes:
 
 def _copy_rows(flat: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = flat[idx]``. np.take, even for a run of consecutive indices: as fast
-    as one memcpy of the whole run (tools/bench_w2.py), so one path serves every batch.
+    as one memcpy of the whole run (benchmarks/loader.py w2), so one path serves every batch.
     Indices are checked already; mode "raise" would buffer a copy of ``out``."""
     np.take(flat, idx, axis=0, out=out, mode="clip")
 
@@ -172,8 +172,8 @@ class ArrayReader(Reader):
     def gather(self, idx: np.ndarray, out: np.ndarray | None = None, parts: Any = None) -> np.ndarray:
         """uint8[B, H, W, 3] for these (checked) indices, into ``out`` when given. From a
         plain ndarray view of the map: several times faster than np.take(out=...) on the
-        np.memmap (tools/bench_levers.py). With ``parts`` (threads; numpy copies without the GIL) each thread copies a share:
-        one core does not reach the machine's memory bandwidth (tools/bench_w2.py)."""
+        np.memmap (benchmarks/loader.py levers). With ``parts`` (threads; numpy copies without the GIL) each thread copies a share:
+        one core does not reach the machine's memory bandwidth (benchmarks/loader.py w2)."""
         self._ensure_open()
         self._h_guard.check()
         flat = self._h_flat
