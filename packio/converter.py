@@ -47,7 +47,7 @@ REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-enc
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
 # workers="auto": time the first inputs here, then use processes only when each input costs at
 # least AUTO_MIN_TASK_S and the rest at least AUTO_MIN_REST_S in one process: starting a pool
-# cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (tools/bench_workers.py).
+# cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (benchmarks/convert.py workers).
 AUTO_PROBE, AUTO_PROBE_S, AUTO_MIN_TASK_S, AUTO_MIN_REST_S = 16, 0.3, 0.002, 3.0
 
 

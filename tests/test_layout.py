@@ -1,6 +1,6 @@
 """The floors of README's "Layout of the code" (and ../shared/DESIGN.md) hold: every
 import run when a module is imported points to a lower floor, and there are no
-import-time cycles. Read from the source (tools/module_map.py), not from sys.modules."""
+import-time cycles. Read from the source (tests/module_map.py), not from sys.modules."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ SUBPACKAGES = ("packio.formats", "packio.remote", "packio.doctor", "packio.bench
 
 
 def _map(top_level_only: bool) -> dict[str, set[str]]:
-    spec = importlib.util.spec_from_file_location("module_map", ROOT / "tools" / "module_map.py")
+    spec = importlib.util.spec_from_file_location("module_map", ROOT / "tests" / "module_map.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["module_map"] = mod
     spec.loader.exec_module(mod)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))  # this checkout's packio
 
 import packio  # noqa: E402
 from packio.bench.synth import make_photo_folder  # noqa: E402

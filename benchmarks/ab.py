@@ -4,7 +4,7 @@ Each measurement is a fresh process importing packio from tree A or tree B (PYTH
 alternating A, B per setting and round, so both trees see the same machine state. The
 datasets are packed once, by tree A. Prints each setting's median samples/s and B / A.
 
-    python tools/bench_ab.py --a /work/main --b /work/wt-h22 --src /tmp/synth5k/images \\
+    python benchmarks/ab.py --a /work/main --b /work/wt-h22 --src /tmp/synth5k/images \\
         --csv /tmp/synth5k/annotations.csv --work /tmp/packio-ab --rounds 5
 
 Run it on a quiet machine (under ``flock /tmp/packio-timing.lock``); ratios from one run only.
@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from common import median, table
 
 # (name, dataset file, open_dataset keywords, DataLoader keywords)
 SETTINGS = [
@@ -111,10 +112,11 @@ def main() -> int:
             for side in ("AB" if r % 2 == 0 else "BA"):  # alternate who goes first
                 rates.setdefault((name, side), []).append(measure(trees[side], cfg))
         print(f"round {r + 1}/{a.rounds} done", flush=True)
-    print(f"\n{'setting':24s} {'A /s':>10s} {'B /s':>10s} {'B / A':>7s}   (A={trees['A']}, B={trees['B']})")
+    rows = []
     for name, *_ in chosen:
-        ma, mb = (statistics.median(rates[(name, s)]) for s in "AB")
-        print(f"{name:24s} {ma:10.0f} {mb:10.0f} {mb / ma:7.3f}")
+        ma, mb = (median(rates[(name, s)]) for s in "AB")
+        rows.append((name, f"{ma:.0f}", f"{mb:.0f}", f"{mb / ma:.3f}"))
+    table(("setting", "A /s", "B /s", "B / A"), rows, title=f"A={trees['A']}, B={trees['B']}")
     return 0
 
 
