@@ -125,6 +125,10 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))
     for i, line in enumerate(describe_history(m)):
         print(f"{'history:' if i == 0 else '':9s} {line}")
+    from packio.census import describe as describe_annotations
+
+    for line in describe_annotations(m):
+        print(line)
     print(f"skipped:  {json.dumps(m.summary.get('skipped', {}))}")
     print(f"files:    {len(m.files)} listed with checksums")
     return 0

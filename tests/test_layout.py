@@ -18,7 +18,7 @@ FLOORS = {
     "packio.errors": 0, "packio.geometry": 0, "packio.collation": 0,
     "packio.order": 1, "packio.limits": 1,
     "packio.sample": 2, "packio.manifest": 2, "packio.decode": 2,
-    "packio.sources": 3, "packio.options": 3,
+    "packio.sources": 3, "packio.census": 3, "packio.options": 3,
     "packio.formats": 4,
     "packio.remote": 5, "packio.items": 5,
     "packio.datasets": 6, "packio.converter": 6, "packio.verifier": 6,
