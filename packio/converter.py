@@ -72,7 +72,8 @@ class Summary:
         if self.manifest is not None:
             lines += census.describe(self.manifest)
         if self.info.get("workers"):
-            lines.append(f"workers:  {self.info['workers']}")
+            w = self.info["workers"]  # packing processes, not a DataLoader's workers: said apart
+            lines.append(f"packing:  {w if 'Dask' in w else '--workers ' + w}")
         lines.append(f"skipped {skipped}" + (":" if skipped else ""))
         lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
         if self.info.get("duplicate_content"):

@@ -296,9 +296,12 @@ def test_offline_verdict_keeps_up_or_says_how_long_it_waits_and_what_to_do():
     waits = report.verdict(_diagnosis(now=100, best=9000, step_ms=20))  # 1,600/s needed
     assert waits[0].startswith("verdict: training waits ~94 % of the time"), waits
     # the smallest layout that keeps the step fed with random crops kept: short side 256, not the arrays
-    assert waits[0].endswith("do: packio convert imgs d-256.lmdb --short-side 256") and "enough" in waits[2]
+    assert waits[0].endswith("do: packio convert imgs d-256.lmdb --short-side 256") and "enough" in waits[-1]
+    assert waits[2].strip() == "ds = packio.open_dataset('d-256.lmdb', resize=64)"  # the reader line as printed
+    close = report.verdict(_diagnosis(now=250, best=9000, step_ms=120))  # 267/s needed: waits ~6 %
+    assert close[0].startswith("verdict: your loader keeps up: nothing to change") and "waits ~6 %" in close[0]
     short = report.verdict(_diagnosis(now=100, best=1000, step_ms=20))  # nothing is fast enough
-    assert short[0].endswith("d-u8.arrays --size 64x64") and "still short" in short[2]
+    assert short[0].endswith("d-u8.arrays --size 64x64") and "still short" in short[-1]
     unknown = report.verdict(_diagnosis(now=800, best=9000, step_ms=None))
     assert "give --step-ms" in unknown[0] and "40 ms or more never waits" in unknown[0]
 

@@ -71,3 +71,12 @@ def test_no_import_time_cycles(eager):
 
     assert cycles(eager) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checker finds one
+
+
+def test_docs_layout_names_every_module():
+    page = (ROOT / "docs" / "layout.md").read_text()
+    pkg = ROOT / "packio"
+    names = [p.name for p in pkg.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    names += [f"{p.name}/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    missing = [n for n in names if f"`{n}" not in page]
+    assert not missing, f"docs/layout.md does not name {missing}: say where each module sits"

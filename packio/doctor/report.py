@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from packio.doctor.candidates import Candidate
+from packio.doctor.loop import INPUT_BOUND
 from packio.doctor.offline import Diagnosis
 from packio.doctor.stages import STAGES, StageCosts
 
@@ -68,19 +69,20 @@ def verdict(d: Diagnosis) -> list[str]:
         return [f"verdict: as it is, the data feeds {have:.0f} samples/s, so a training step of {d.batch_size} "
                 f"taking {d.batch_size / max(have, 1e-9) * 1e3:.0f} ms or more never waits for it; "
                 "give --step-ms to know whether yours does"]
-    if have >= need:
-        return [f"verdict: your loader keeps up: nothing to change ({now.title} gives {have:.0f} samples/s; "
-                f"a {d.step_ms:g} ms step of {d.batch_size} takes {need:.0f})"]
-    wait = f"verdict: training waits ~{(1 - have / need) * 100:.0f} % of the time ({now.title}: {have:.0f} " \
-           f"samples/s; a {d.step_ms:g} ms step of {d.batch_size} takes {need:.0f})"
+    share = max(0.0, 1 - have / need)  # of the time the step would wait (the loader overlapping the step)
+    facts = f"{now.title}: {have:.0f} samples/s; a {d.step_ms:g} ms step of {d.batch_size} takes {need:.0f}"
+    if share < INPUT_BOUND:  # the line the in-loop watch() draws too
+        return [f"verdict: your loader keeps up: nothing to change ({facts}"
+                + (f"; waits ~{share * 100:.0f} % of the time, not worth a conversion)" if share else ")")]
+    wait = f"verdict: training waits ~{share * 100:.0f} % of the time ({facts})"
     fix = _fix(d, need)
     if fix is None:
         return [wait + "; no other layout could be measured: see the errors below"]
     enough = d.expected(fix) >= need
     return [f"{wait}; do: {fix.convert_line}",
-            f"  then read it with: {' '.join(x.strip() for x in fix.reader_lines)}" if fix.reader_lines else "",
+            *(["  then read it with:", *[f"    {x.strip()}" for x in fix.reader_lines]] if fix.reader_lines else []),
             f"  ({fix.title}: {d.expected(fix):.0f} samples/s"
-            + (", enough)" if enough else f", the fastest here but still short: more CPUs, or GPU decode)")]
+            + (", enough)" if enough else ", the fastest here but still short: more CPUs, or GPU decode)")]
 
 
 def recommendation(d: Diagnosis) -> list[str]:
