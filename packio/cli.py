@@ -68,7 +68,7 @@ def _address(text: str) -> str:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from packio.converter import convert
+    from packio.urls import convert
     from packio.decode import ResizeSpec
     from packio.options import PackOptions
     from packio.sources import parse_columns
@@ -100,14 +100,18 @@ def _cmd_info(a: argparse.Namespace) -> int:
     from packio.converter import describe_history, describe_output
     from packio.formats import open_reader
     from packio.manifest import disk_bytes
+    from packio.urls import is_url
 
-    reader = open_reader(a.path)
-    m = reader.manifest
+    if is_url(a.path):  # the manifest only: nothing else is downloaded
+        from packio.remote.reader import read_manifest
+        from packio.remote.store import Store
+
+        m = read_manifest(Store(a.path))[1]
+    else:
+        m = open_reader(a.path).manifest
     if a.json:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
-    from packio.remote import is_url
-
     p = Path(a.path)
     if is_url(a.path):  # what the manifest lists; nothing is downloaded to count it
         size = sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict))
@@ -118,8 +122,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"samples:  {m.count}")
     print(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
     print(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
-    for line in describe_output(reader.path if is_url(a.path) else p, m):  # a URL: its cache folder, named as the URL
-        print(line.replace(str(reader.path), a.path) if is_url(a.path) else line)
+    for line in describe_output(p, m):  # a URL: Path() merged its '//'
+        print(line.replace(str(p), a.path) if is_url(a.path) else line)
     shape = m.image.get("shape")
     print(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
     print(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))
@@ -135,7 +139,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from packio.verifier import verify
+    from packio.urls import verify
 
     report = verify(a.path)
     print(report.text())

@@ -15,6 +15,7 @@ import functools
 import math
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import threading
@@ -386,12 +387,8 @@ def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = N
     options = merge_options(PackOptions, options, fields, "convert")
     run = dict(csv=csv, columns=columns, workers=workers, strict=strict, progress=progress, scheduler=scheduler,
                parts=parts, follow_symlinks=follow_symlinks)
-    from packio.remote import is_url
-
-    if is_url(dst):  # pack locally; upload shards as they finish, the manifest last (packio[remote])
-        from packio.remote.upload import convert_to_url
-
-        return convert_to_url(convert, src, str(dst), overwrite=overwrite, options=options, **run)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", str(dst)):
+        raise PackioError(f"{dst}: a URL; convert to it with packio.convert (it packs locally, then uploads)")
     t0 = time.perf_counter()
     src, dst = Path(src), Path(str(dst).rstrip("/"))
     spec = output_format(dst, options.format)

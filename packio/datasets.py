@@ -402,11 +402,14 @@ class ResumableSampler(_Resumable, torch.utils.data.Sampler[int]):
 
 def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOptions | None = None,
                  cache_dir: str | Path | None = None, cache_limit: int | str | None = None,
-                 storage_options: dict[str, Any] | None = None, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
+                 storage_options: dict[str, Any] | None = None, retries: int = 10, timeout: float = 10.0,
+                 retry_seconds: float = 30.0, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
     """Open any packed dataset (the format comes from its manifest) as a
     :class:`PackedDataset`, or with ``iterable=True`` a :class:`PackedIterableDataset`;
     ``options`` and ``kwargs`` go to that class. A URL (``s3://``, ``https://``, any
-    fsspec URL) reads through a local cache: see :func:`packio.remote.open_url`."""
+    fsspec URL) reads through a local cache: see :func:`packio.remote.open_url` for
+    ``cache_dir``, ``cache_limit``, ``storage_options``, ``retries``, ``timeout`` and
+    ``retry_seconds``."""
     kwargs["options"] = options
     from packio.remote import is_url
 
@@ -415,7 +418,9 @@ def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOpt
         return cls(path, **kwargs)
     from packio.remote import open_url
 
-    ds = cls(open_url(path, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options), **kwargs)
+    reader = open_url(path, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options,
+                      retries=retries, timeout=timeout, retry_seconds=retry_seconds)
+    ds = cls(reader, **kwargs)
     ds.path = str(path)
     return ds
 

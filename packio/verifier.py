@@ -64,12 +64,8 @@ def _check_files(reader: Reader, out: list[str]) -> None:
 def verify(path: str | Path) -> VerifyReport:
     """Check a packed dataset; damage of any kind is reported, never raised. Raises
     only a PackioError when ``path`` cannot be opened as a packed dataset at all."""
-    from packio.remote import is_url
-
     reader = open_reader(path)
     report = VerifyReport(path=str(path), count=len(reader))
-    if is_url(path) and hasattr(reader, "fetch_all"):
-        reader.fetch_all()  # remote shards into the cache (checked on download), then checked here again
     try:
         _check_files(reader, report.bad_files)
         report.bad_files += reader.check_stored()  # what the format keeps beyond the listed files

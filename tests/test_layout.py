@@ -22,7 +22,7 @@ FLOORS = {
     "packio.formats": 4,
     "packio.remote": 5, "packio.items": 5,
     "packio.datasets": 6, "packio.converter": 6, "packio.verifier": 6,
-    "packio.loading": 7, "packio.preview": 7, "packio.tuning": 8,
+    "packio.loading": 7, "packio.preview": 7, "packio.urls": 7, "packio.tuning": 8,
     "packio.doctor": 9, "packio.bench": 9, "packio.cuda": 9,
     "packio.cli": 10, "packio": 10, "packio.__main__": 11,
 }
@@ -64,6 +64,18 @@ def test_named_floors_of_the_design(eager):
     anywhere = _map(top_level_only=False)
     assert not any(_group(b) == "packio.cuda" for a, imports in anywhere.items() if _group(a) != "packio.doctor"
                    and _group(a) != "packio.cuda" for b in imports), "only cuda/ and the doctor's GPU probe use cuda/"
+
+
+def test_urls_at_one_edge():
+    """formats, the converter and the verifier never import remote, not even lazily:
+    URLs are resolved by packio.urls (and open_dataset), above all three."""
+    anywhere = _map(top_level_only=False)
+    users = sorted(a for a, imports in anywhere.items() for b in imports if _group(b) == "packio.remote"
+                   and _group(a) in ("packio.formats", "packio.converter", "packio.verifier"))
+    assert users == []
+    from module_map import cycles
+
+    assert cycles(anywhere) == [] or all("packio.remote" not in {_group(m) for m in c} for c in cycles(anywhere))
 
 
 def test_no_import_time_cycles(eager):

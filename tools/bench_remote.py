@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(json.loads(a.child))))
         return 0
 
-    from packio.remote.servers import SeaweedS3
+    sys.path.insert(0, str(ROOT / "tests"))  # the test servers live with the tests
+    from servers import SeaweedS3
 
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="packio-bench-remote-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
         print(f"packed {size / 1e6:.0f} MB in {len(list(local.glob('*.tar')))} shards; re-packed to S3 in "
               f"{time.perf_counter() - t:.1f} s", flush=True)
-        http = subprocess.Popen([sys.executable, "-m", "packio.remote.servers", "http", str(www)],
+        http = subprocess.Popen([sys.executable, str(ROOT / "tests" / "servers.py"), "http", str(www)],
                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
         http_url = http.stdout.readline().strip()
         sources = {"local disk": str(local), "S3 (SeaweedFS)": "s3://bench/ds.wds", "HTTP": f"{http_url}/ds.wds"}
