@@ -29,6 +29,7 @@ _LAZY = {
     "ResumableSampler": "packio.datasets",
     "open_reader": "packio.urls",
     "tune": "packio.tuning",
+    "show": "packio.preview",
 }
 
 

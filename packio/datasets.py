@@ -43,7 +43,7 @@ class PackedDataset(Dataset):
     What shapes the items: ``options=packio.DecodeOptions(...)`` and/or its fields as
     keywords (``decode``, ``resize``, ``transform``, ``backend``, ``on_error``,
     ``verify``, ``threads``; a keyword wins over ``options``). ``resize=224`` or
-    ``(h, w)`` resizes after decode (boxes follow). Handles open lazily in each
+    ``(h, w)`` squashes to that shape after decode, aspect not kept (boxes follow). Handles open lazily in each
     process, so it works in DataLoader workers under any start method.
     ``on_error="skip"`` returns ``None`` for a corrupt sample (``packio.collate`` drops it).
     ``threads=N`` decodes each batch with N threads in whichever process reads it.

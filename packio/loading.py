@@ -124,5 +124,8 @@ class DataLoader(torch.utils.data.DataLoader):
         return target.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._target().load_state_dict(state)
+        target = self._target()
+        target.load_state_dict(state)
         self._pass = None
+        log.info("resumed epoch %d at sample %d of %d (world size %s before, %d now)", state["epoch"],
+                 state["consumed"], target.length, state.get("world_size", "?"), target.world_size)
