@@ -24,8 +24,8 @@ from packio.errors import PackioError, StateError
 from packio.formats.base import Reader
 from packio.items import Item, Items
 from packio.options import DecodeOptions, merge_options
-from packio.order import (Split, check_even, check_int, dist_info, dist_world, epoch_order, make_state,
-                          rank_lengths, read_state, worker_slice)
+from packio.order import (Split, check_epoch, check_even, check_int, dist_info, dist_world, epoch_order,
+                          make_state, rank_lengths, read_state, units_digest, worker_slice)
 from packio.sample import Sample
 
 __all__ = ["PackedDataset", "PackedIterableDataset", "ResumableSampler", "open_dataset", "format_classes"]
@@ -133,7 +133,7 @@ class _Resumable:
         return self._get_position()[0]
 
     def set_epoch(self, epoch: int) -> None:
-        epoch = check_int("epoch", epoch, 0)
+        epoch = check_epoch(check_int("epoch", epoch, 0))
         self._check_world()
         if epoch != self.epoch:
             self._set_position(epoch, 0)
@@ -256,6 +256,7 @@ class PackedIterableDataset(_Resumable, IterableDataset):
         self._pass: _Pass | None = None
         self._generation = 0
         self._worker_resume: dict[str, Any] | None = None  # a worker's own state, loaded inside it
+        self._units_digest: str | None = None
 
     @property
     def reader(self) -> Reader:
@@ -276,7 +277,11 @@ class PackedIterableDataset(_Resumable, IterableDataset):
                            units=self.reader.units(), window=self.window)
 
     def _order_args(self) -> dict[str, Any]:
-        return {"window": self.window}
+        """What a resume state must match besides length, seed and shuffle: the
+        window, and the dataset and order units it was taken on."""
+        if self._units_digest is None:
+            self._units_digest = units_digest(self.reader.units())
+        return {"window": self.window, "dataset": self.reader.manifest.id, "units": self._units_digest}
 
     def rank_sequence(self) -> np.ndarray:
         """This rank's sample indices for the rest of the current epoch."""
@@ -315,8 +320,12 @@ class PackedIterableDataset(_Resumable, IterableDataset):
                              f"state resumes only with the same world size, num_workers and batch size; for a "
                              f"state that resumes anywhere use packio.DataLoader.state_dict()")
         split = self.split(resume["epoch"], resume["consumed"])
-        return _Pass(resume["epoch"], split, self._generation, taken=resume["done"], worker=(worker, workers),
-                     chunk=chunk)
+        mine = len(worker_slice(split.sequence(), worker, workers, chunk))
+        done = resume.get("done")
+        if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done <= mine:
+            raise StateError(f"a DataLoader worker state says done={done!r}, but this worker's share of the rest "
+                             f"of the epoch is {mine} samples: the state is damaged; resume from a fresh one")
+        return _Pass(resume["epoch"], split, self._generation, taken=done, worker=(worker, workers), chunk=chunk)
 
     def _stream(self, seq: np.ndarray, p: _Pass) -> Iterator[Item | None]:
         step = p.chunk
@@ -342,7 +351,7 @@ class PackedIterableDataset(_Resumable, IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if get_worker_info() is not None and isinstance(state, dict) and WORKER_STATE in state:
             read_state(state, self.kind, length=self.length, seed=self.seed, shuffle=self.shuffle,
-                       window=self.window)
+                       **self._order_args())
             self._worker_resume = state
             return
         super().load_state_dict(state)

@@ -1,0 +1,167 @@
+"""Issue 23: states, manifests, descriptors, opens and the doctor against strangers' files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import packio
+from conftest import jpeg, sealed
+from packio.errors import FormatError, PackioError
+
+
+def _folder(root: Path, n: int = 8, classes: tuple[str, ...] = ("a", "b")) -> Path:
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for k in range(n // len(classes)):
+            (root / c / f"{c}{k}.jpg").write_bytes(jpeg(32, 40, seed=k + 100 * len(c) + ord(c[0])))
+    return root
+
+
+def _pack(tmp_path: Path, name: str = "d.lmdb", **kw) -> Path:
+    src = _folder(tmp_path / "src")
+    return Path(packio.convert(src, tmp_path / name, progress=False, **kw).output)
+
+
+def test_edited_manifest_is_refused_on_open(tmp_path):
+    path = _pack(tmp_path)
+    m = json.loads((path / "packio.json").read_text())
+    m["classes"].reverse()  # relabels every image
+    (path / "packio.json").write_text(json.dumps(m, indent=1))
+    with pytest.raises(FormatError, match="no longer matches its digest"):
+        packio.open_dataset(path)
+    with packio.trust_manifest():  # the documented escape
+        assert packio.open_dataset(path).classes == ["b", "a"]
+    assert not packio.verify(path).ok  # verify still opens it and reports
+    m.pop("digest")
+    (path / "packio.json").write_text(json.dumps(m, indent=1))
+    with pytest.raises(FormatError, match="no content digest"):
+        packio.open_dataset(path)
+
+
+def test_manifest_image_shape_not_a_list(tmp_path):
+    path = _pack(tmp_path)
+    m = json.loads((path / "packio.json").read_text())
+    for bad in (5, [5], [32, 32, 4], [32, "x", 3], [0, 32, 3]):
+        m["image"]["shape"] = bad
+        (path / "packio.json").write_text(json.dumps(sealed(m)))
+        with pytest.raises(FormatError, match="image.shape"):
+            packio.open_dataset(path)[0]
+
+
+def test_fifo_in_place_of_manifest_does_not_block(tmp_path):
+    path = _pack(tmp_path)
+    code = f"""
+import os, packio
+ds = packio.open_dataset({str(path)!r})
+os.unlink({str(path / "packio.json")!r})
+os.mkfifo({str(path / "packio.json")!r})
+try:
+    ds[0]
+except packio.FormatError as exc:
+    print("ERR", exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)  # blocked: hangs
+    assert "ERR" in out.stdout, out.stderr[-2000:]  # refused at once (replaced, not a regular file)
+
+
+def test_emfile_is_not_called_a_foreign_dataset(tmp_path):
+    path = _pack(tmp_path)
+    code = f"""
+import os, resource, packio, packio.datasets, packio.formats, packio.remote
+packio.open_dataset({str(path)!r})  # every module loaded
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+keep = []
+try:
+    while True:
+        keep.append(os.open('/dev/null', os.O_RDONLY))
+except OSError:
+    pass
+try:
+    packio.open_dataset({str(path)!r})
+except packio.PackioError as exc:
+    print("ERR", exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "ERR" in out.stdout, out.stderr[-2000:]
+    assert "packed by packio" not in out.stdout and "open files" in out.stdout, out.stdout
+
+
+def test_lock_file_planted_as_symlink_is_not_followed(tmp_path):
+    src = _folder(tmp_path / "src")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / ".d.lmdb.packio-lock").symlink_to(target / "planted")
+    with pytest.raises(PackioError, match="lock file"):
+        packio.convert(src, tmp_path / "d.lmdb", progress=False)
+    assert not (target / "planted").exists()  # nothing created where the link points
+    assert not (tmp_path / "d.lmdb").exists()
+
+
+def _many(root: Path, n: int) -> Path:
+    (root / "x").mkdir(parents=True)
+    for k in range(n):
+        (root / "x" / f"{k:03d}.jpg").write_bytes(jpeg(8, 8, seed=k))
+    return root
+
+
+def test_state_from_another_packing_is_refused(tmp_path):
+    src = _many(tmp_path / "src", 48)
+    four = packio.convert(src, tmp_path / "four.wds", shard_samples=12, progress=False).output
+    twelve = packio.convert(src, tmp_path / "twelve.wds", shard_samples=4, progress=False).output
+    a = packio.open_dataset(four, iterable=True, decode=False, shuffle=True, seed=3, batch_size=4)
+    it = iter(packio.DataLoader(a, batch_size=4))
+    for _ in range(4):
+        next(it)
+    state = json.loads(json.dumps(packio.DataLoader(a, batch_size=4).state_dict()))
+    b = packio.open_dataset(twelve, iterable=True, decode=False, shuffle=True, seed=3, batch_size=4)
+    with pytest.raises(packio.StateError, match="dataset|units"):
+        b.load_state_dict(state)
+    same = packio.open_dataset(four, iterable=True, decode=False, shuffle=True, seed=3, batch_size=4)
+    same.load_state_dict(state)  # the same dataset resumes
+    assert same.state_dict()["units"] == state["units"] and state["units"].startswith("4:")
+    for change in ({"dataset": "0" * 32}, {"units": "4:0"}, {"dataset": None}):
+        with pytest.raises(packio.StateError):
+            same.load_state_dict({**state, **change})
+
+
+@pytest.mark.parametrize("done", [-3, 10**6, 2.5, None])
+def test_worker_state_done_is_checked(tmp_path, monkeypatch, done):
+    """torchdata's per-worker state (what StatefulDataLoader hands each worker back),
+    loaded and iterated as worker 0 of 2 would."""
+    import types
+
+    import packio.datasets as pd
+
+    path = packio.convert(_many(tmp_path / "src", 64), tmp_path / "d.lmdb", progress=False).output
+    ds = packio.open_dataset(path, iterable=True, decode=False, shuffle=True, seed=1, batch_size=4)
+    monkeypatch.setattr(pd, "get_worker_info", lambda: types.SimpleNamespace(id=0, num_workers=2))
+    good = {**ds.state_dict(), "packio_worker_state": 1, "rank": 0, "worker": 0, "num_workers": 2, "chunk": 4,
+            "done": 8}
+    ds.load_state_dict(good)
+    assert len(list(ds)) == 32 - 8  # the worker's share (32) less what it had done
+    ds.load_state_dict({**good, "done": done})
+    with pytest.raises(packio.StateError, match="done"):
+        list(ds)
+
+
+def test_huge_epochs_are_state_errors(tmp_path):
+    path = _pack(tmp_path)
+    it = packio.open_dataset(path, iterable=True, decode=False)
+    s = packio.ResumableSampler(8)
+    for target in (it, s):
+        with pytest.raises(packio.StateError, match="2\\*\\*63"):
+            target.set_epoch(2**63)
+        with pytest.raises(packio.StateError, match="2\\*\\*63"):
+            target.load_state_dict({**target.state_dict(), "epoch": 2**63})
+        target.set_epoch(2**63 - 1)
+        assert target.epoch == 2**63 - 1
+        assert len(list(iter(target))) == 8
