@@ -165,3 +165,46 @@ def test_huge_epochs_are_state_errors(tmp_path):
         target.set_epoch(2**63 - 1)
         assert target.epoch == 2**63 - 1
         assert len(list(iter(target))) == 8
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--seconds", "nan"], "--seconds"), (["--seconds", "inf"], "--seconds"), (["--size", "20000"], "--size"),
+    (["--batch-size", "100000"], "--batch-size"), (["--sample", "nan"], "--sample"), (["--sample", "2"], "--sample"),
+    (["--cpus", "0"], "--cpus"), (["--step-ms", "-1"], "--step-ms")])
+def test_doctor_options_are_range_checked(tmp_path, capsys, args, says):
+    from packio import cli
+
+    src = _folder(tmp_path / "src")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["doctor", str(src), "--quiet", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("opts", [{"seconds": float("nan")}, {"size": 20000}, {"batch_size": 100000},
+                                  {"fraction": float("nan")}, {"batch_size": 4096, "size": 4096}])
+def test_doctor_library_checks_ranges(tmp_path, opts):
+    from packio.doctor.offline import diagnose
+
+    with pytest.raises(PackioError, match="doctor: "):
+        diagnose(_folder(tmp_path / "src"), **opts)
+
+
+def test_doctor_counts_one_damaged_record_and_goes_on(tmp_path):
+    from packio.doctor.offline import diagnose
+
+    path = packio.convert(_many(tmp_path / "src", 300), tmp_path / "d.wds", progress=False).output
+    index = np.load(Path(path) / "index.npy")
+    shard, off, size = (int(v) for v in index[150, [0, 3, 4]])
+    name = json.loads((Path(path) / "packio.json").read_text())["extra"]["shards"][shard]
+    with open(Path(path) / name, "r+b") as f:
+        f.seek(off)
+        f.write(b"\xff" * size)  # one damaged record among 300
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "cgroup.controllers").write_text("cpu")
+    (cg / "cpu.max").write_text("100000 100000")
+    d = diagnose(path, size=32, batch_size=8, seconds=6, fraction=1.0, min_samples=300, max_samples=300,
+                 cgroup_root=cg, work=tmp_path)
+    assert d.stages.skipped >= 1 and any("did not decode" in n for n in d.notes), d.notes
+    assert d.candidates and not [c.error for c in d.candidates if c.error]
