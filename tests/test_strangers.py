@@ -208,3 +208,14 @@ def test_doctor_counts_one_damaged_record_and_goes_on(tmp_path):
                  cgroup_root=cg, work=tmp_path)
     assert d.stages.skipped >= 1 and any("did not decode" in n for n in d.notes), d.notes
     assert d.candidates and not [c.error for c in d.candidates if c.error]
+
+
+def test_resize_spec_is_validated_and_normalised(tmp_path):
+    spec = packio.ResizeSpec(size=[32, 32])
+    assert spec.size == (32, 32) and spec == packio.ResizeSpec(size=(32, 32))
+    for bad in ({"size": (32,)}, {"size": (32, 32, 3)}, {"short_side": True}, {"crop": [8, 0]}, {"size": "32"},
+                {"short_side": 2.5}):
+        with pytest.raises(ValueError, match="ResizeSpec"):
+            packio.ResizeSpec(**bad)
+    s = packio.convert(_folder(tmp_path / "src"), tmp_path / "d.arrays", resize=spec, progress=False)
+    assert s.packed == 8  # none skipped as "shape differs"
