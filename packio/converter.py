@@ -31,7 +31,8 @@ import numpy as np
 from packio import decode as dec
 from packio import geometry as geo
 from packio import limits
-from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError, SourceError
+from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, OutputExistsError, PackioError,
+                           SourceError)
 from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, disk_bytes
@@ -221,6 +222,8 @@ def _prepare_packed(prep: _Prep, index: int) -> Result:
     assert prep.reader is not None
     try:
         s = prep.reader.read(index)
+    except DatasetReplacedError:
+        raise  # not one bad sample: the whole source changed under us, so the conversion stops, nothing committed
     except PackioError as exc:
         return Skipped("corrupt sample in the source dataset", f"#{index} ({exc})")
     if s.checksum and checksum(s.payload) != s.checksum:  # never launder damage into a fresh checksum

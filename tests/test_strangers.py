@@ -219,3 +219,21 @@ def test_resize_spec_is_validated_and_normalised(tmp_path):
             packio.ResizeSpec(**bad)
     s = packio.convert(_folder(tmp_path / "src"), tmp_path / "d.arrays", resize=spec, progress=False)
     assert s.packed == 8  # none skipped as "shape differs"
+
+
+def test_source_replaced_while_converting_aborts(tmp_path, monkeypatch):
+    from packio import cli
+    from packio.formats.tar import TarReader as LMDBReader
+
+    src = packio.convert(_many(tmp_path / "imgs", 160), tmp_path / "src.wds", shard_samples=8, progress=False).output
+    real, calls = LMDBReader.read, []
+
+    def read(self, i):
+        calls.append(i)
+        if len(calls) == 20:  # another job re-packs the source under us
+            packio.convert(tmp_path / "imgs", src, overwrite=True, shard_samples=8, progress=False)
+        return real(self, i)
+
+    monkeypatch.setattr(LMDBReader, "read", read)
+    code = cli.main(["convert", src, str(tmp_path / "out.lmdb"), "--quiet", "--workers", "0"])
+    assert code == 2 and not (tmp_path / "out.lmdb").exists(), len(calls)
