@@ -12,6 +12,8 @@ continue on any number of ranks and workers.
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sized
@@ -200,20 +202,36 @@ def _check_flags(shuffle: Any, seed: Any) -> tuple[bool, int]:
 
 
 class _SharedPosition:
-    """(epoch, start) in a shared-memory tensor: the training process writes it, and
-    every DataLoader worker reads it when it begins an epoch — persistent workers
-    (which keep their own copy of the dataset) and spawn / forkserver ones (which
-    get the dataset pickled: torch sends a shared tensor as a handle) included."""
+    """(epoch, start) shared with DataLoader workers: the training process writes it,
+    and every worker reads it when it begins an epoch — persistent workers (which keep
+    their own copy of the dataset) and spawn / forkserver ones included.
+
+    Held in an anonymous shared page (inherited by forked workers, no descriptor), and
+    only when the dataset is pickled (spawn / forkserver workers) also in a torch
+    shared-memory tensor, sent as a handle: an idle dataset holds no descriptor."""
 
     def __init__(self) -> None:
-        self.t = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._page = mmap.mmap(-1, 16)
+        self.t: torch.Tensor | None = None
 
     def get(self) -> tuple[int, int]:
-        epoch, start = self.t.tolist()
-        return int(epoch), int(start)
+        if self.t is not None:
+            epoch, start = self.t.tolist()
+            return int(epoch), int(start)
+        return struct.unpack("<qq", self._page[:16])
 
     def set(self, epoch: int, start: int) -> None:
-        self.t.copy_(torch.tensor([epoch, start], dtype=torch.int64))
+        self._page[:16] = struct.pack("<qq", epoch, start)
+        if self.t is not None:
+            self.t.copy_(torch.tensor([epoch, start], dtype=torch.int64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.t is None:  # from now on both are written: forked copies read the page, pickled ones the tensor
+            self.t = torch.tensor(self.get(), dtype=torch.int64).share_memory_()
+        return {"t": self.t}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._page, self.t = mmap.mmap(-1, 16), state["t"]
 
 
 class PackedIterableDataset(_Resumable, IterableDataset):

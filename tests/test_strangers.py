@@ -237,3 +237,69 @@ def test_source_replaced_while_converting_aborts(tmp_path, monkeypatch):
     monkeypatch.setattr(LMDBReader, "read", read)
     code = cli.main(["convert", src, str(tmp_path / "out.lmdb"), "--quiet", "--workers", "0"])
     assert code == 2 and not (tmp_path / "out.lmdb").exists(), len(calls)
+
+
+def test_idle_iterable_datasets_hold_no_descriptor(tmp_path):
+    """1,100 iterable datasets built and left idle under a 1,024-descriptor limit."""
+    path = _pack(tmp_path)
+    code = f"""
+import resource, packio
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+keep = [packio.open_dataset({str(path)!r}, iterable=True, decode=False) for _ in range(1100)]
+keep[-1].set_epoch(3)
+assert keep[-1].epoch == 3 and keep[0].epoch == 0
+print("OK", sum(len(list(d)) for d in keep[:3]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "OK 24" in out.stdout, out.stderr[-2000:]
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_foreign_tar_duplicate_key_is_refused(tmp_path):
+    _tar(tmp_path / "s" / "a.tar", [("x.jpg", jpeg(8, 8, 1)), ("x.cls", b"0"), ("y.jpg", jpeg(8, 8, 2)),
+                                     ("x.jpg", jpeg(8, 8, 3))])
+    with pytest.raises(FormatError, match="duplicate key"):
+        packio.open_dataset(tmp_path / "s")
+
+
+def test_foreign_tar_json_with_ordinary_metadata(tmp_path):
+    metas = [{"label": "cat"}, {"boxes": [[1.0, 2.0, 6.0, 7.0]]}, {"caption": "a photo", "label": 1},
+             {"boxes": [[1.0, 2.0, 6.0, 7.0]], "box_labels": [0]}]
+    members = []
+    for k, meta in enumerate(metas):
+        members += [(f"s{k}.jpg", jpeg(8, 8, k)), (f"s{k}.json", json.dumps(meta).encode())]
+    _tar(tmp_path / "s" / "a.tar", members)
+    ds = packio.open_dataset(tmp_path / "s")
+    items = [ds[i] for i in range(4)]
+    assert [it["label"] for it in items] == [-1, -1, 1, -1]
+    assert [len(it["boxes"]) for it in items] == [0, 1, 0, 1]
+    assert items[1]["box_labels"].tolist() == [-1] and items[3]["box_labels"].tolist() == [0]
+
+
+def test_thousands_of_shards_under_a_descriptor_limit(tmp_path):
+    src = _many(tmp_path / "src", 1200)
+    path = packio.convert(src, tmp_path / "d.wds", shard_samples=1, progress=False).output
+    code = f"""
+import resource, packio
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+ds = packio.open_dataset({str(path)!r}, decode=False)
+n = sum(1 for i in range(len(ds)) if ds[i] is not None)
+it = packio.open_dataset({str(path)!r}, iterable=True, decode=False, shuffle=True)
+print("OK", n, sum(1 for _ in it))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "OK 1200 1200" in out.stdout, out.stderr[-2000:]
