@@ -227,6 +227,9 @@ def _simplejpeg(data: bytes | memoryview, strict: bool, kw: dict[str, Any]) -> n
         raise CorruptImageError(f"corrupt JPEG data ({exc})") from None
 
 
+JPEG_ONLY = ("simplejpeg", "turbojpeg")  # backends that read JPEG alone
+
+
 def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[int, int] | None = None,
            apply_exif: bool = False, strict: bool = False, max_pixels: int | None = None) -> np.ndarray:
     """Decode to ``uint8[H, W, 3]`` RGB (grayscale and CMYK become RGB).
@@ -246,8 +249,8 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
     check_pixels(*image_size(data, enc), max_pixels)
     errors: list[str] = []
     order = [backend] if backend != "auto" else ["simplejpeg", "cv2", "pil"]
-    if backend == "auto" and enc != "jpeg":
-        order = ["cv2", "pil"]
+    if enc != "jpeg" and backend in ("auto", *JPEG_ONLY):
+        order = ["cv2", "pil"]  # a JPEG-only backend asked for: PNG / WebP / BMP samples still need a reader
     if apply_exif and enc == "jpeg" and backend == "auto":
         order = ["cv2", "pil"]  # simplejpeg does not read EXIF orientation
         if strict:

@@ -158,7 +158,7 @@ class Decoder:
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
             raw = isinstance(s.payload, np.ndarray)
             return item(index, s, chw(s.payload) if raw else s.payload, geo.as_boxes(s.boxes))
-        img = pixels(s, self.backend, self.size, strict=self.verify)
+        img = pixels(s, self.backend, self.size, strict=True)  # libjpeg's warnings are damage: never made-up pixels
         if slot is not None:
             img = dec.resize(img, self.size, out=slot[0])  # type: ignore[arg-type]
             image = slot[1]

@@ -607,19 +607,21 @@ def test_default_check_skips_damaged_jpegs_it_decodes_anyway(damaged_folder, tmp
     assert s.packed == 3  # lenient: re-encoded with made-up pixels
 
 
-def test_damaged_jpegs_stored_as_found_fail_verified_reads(damaged_folder, tmp_path):
+def test_damaged_jpegs_stored_as_found_fail_reads(damaged_folder, tmp_path):
+    """Read-time decode is strict by default (no made-up grey pixels), with or without verify."""
     s = packio.convert(damaged_folder, tmp_path / "o.lmdb", progress=False)  # stored as found: header checks pass
     assert s.packed == 3
     keys = {packio.open_dataset(tmp_path / "o.lmdb", decode=False)[i]["key"]: i for i in range(3)}
-    lenient = packio.open_dataset(tmp_path / "o.lmdb")
-    assert lenient[keys["c/garbage.jpg"]]["image"].shape[0] == 3  # decodes to made-up pixels
-    strict = packio.open_dataset(tmp_path / "o.lmdb", verify=True)
-    for name in ("c/garbage.jpg", "c/cut.jpg"):
-        with pytest.raises(packio.CorruptSampleError, match="corrupt JPEG data"):
-            strict[keys[name]]
-    assert strict[keys["c/good.jpg"]]["image"].shape[0] == 3
-    skipping = packio.open_dataset(tmp_path / "o.lmdb", verify=True, on_error="skip")
-    assert [skipping[i] is None for i in range(3)].count(True) == 2
+    for kw in ({}, {"verify": True}, {"resize": 32}):
+        ds = packio.open_dataset(tmp_path / "o.lmdb", **kw)
+        for name in ("c/garbage.jpg", "c/cut.jpg"):
+            with pytest.raises(packio.CorruptSampleError, match="corrupt JPEG data"):
+                ds[keys[name]]
+        assert ds[keys["c/good.jpg"]]["image"].shape[0] == 3
+        skipping = packio.open_dataset(tmp_path / "o.lmdb", on_error="skip", **kw)
+        assert [skipping[i] is None for i in range(3)].count(True) == 2
+        batch = packio.collate(skipping.__getitems__([0, 1, 2]))
+        assert len(batch["key"]) == 1 and batch["key"][0] == "c/good.jpg"
 
 
 # ---------------------------------------------------------------- disk full

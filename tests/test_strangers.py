@@ -303,3 +303,19 @@ print("OK", n, sum(1 for _ in it))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "OK 1200 1200" in out.stdout, out.stderr[-2000:]
+
+
+def test_simplejpeg_backend_reads_png_and_webp_samples(tmp_path):
+    import cv2
+
+    from conftest import photo
+
+    src = _folder(tmp_path / "src")
+    for k, ext in enumerate((".png", ".webp")):
+        ok, data = cv2.imencode(ext, photo(20, 24, k))
+        (src / "a" / f"other{k}{ext}").write_bytes(data.tobytes())
+    path = packio.convert(src, tmp_path / "d.lmdb", progress=False).output
+    ds = packio.open_dataset(path, backend="simplejpeg", on_error="skip")
+    items = [ds[i] for i in range(len(ds))]
+    assert len(items) == 10 and all(it is not None for it in items)
+    assert sorted(tuple(it["image"].shape) for it in items if it["key"].startswith("a/other")) == [(3, 20, 24)] * 2
