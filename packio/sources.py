@@ -88,6 +88,22 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
+def _files_below(folder: str, name: str) -> list[str]:
+    """Files under ``folder/name`` (a folder whose path is too long to open by name),
+    listed through descriptors relative to ``folder``."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return [name]
+    try:
+        found = [os.path.join(d, f) for d, _, files, _ in os.fwalk(name, dir_fd=fd) for f in files]
+    except OSError:
+        found = []
+    finally:
+        os.close(fd)
+    return found or [name]
+
+
 def _walk(root: Path, scan: Scan, exclude: set[str], follow_symlinks: bool = False) -> list[tuple[str, str]]:
     """(relative key, path) of every regular file, sorted (files of a folder, then its
     sub-folders). Symlinks are followed only where they resolve inside ``root``, unless
@@ -128,7 +144,9 @@ def _walk(root: Path, scan: Scan, exclude: set[str], follow_symlinks: bool = Fal
                 scan.skip("file name is not valid UTF-8", os.fsencode(full).decode("utf-8", "replace"))
                 continue
             if len(os.fsencode(os.path.abspath(full))) >= PATH_MAX:
-                scan.skip(f"path longer than {PATH_MAX - 1} bytes", full[:200] + "...")
+                below = _files_below(folder, name) if is_dir and not link else [name]
+                for rel_below in below:  # each file counted, a folder's too: none lost silently
+                    scan.skip(f"path longer than {PATH_MAX - 1} bytes", full[:200] + ".../" + rel_below[-100:])
                 continue
             if link:
                 target = os.path.realpath(full)

@@ -319,3 +319,24 @@ def test_simplejpeg_backend_reads_png_and_webp_samples(tmp_path):
     items = [ds[i] for i in range(len(ds))]
     assert len(items) == 10 and all(it is not None for it in items)
     assert sorted(tuple(it["image"].shape) for it in items if it["key"].startswith("a/other")) == [(3, 20, 24)] * 2
+
+
+def test_paths_over_path_max_are_each_counted(tmp_path):
+    src = _folder(tmp_path / "src", n=20, classes=("a",))
+    fd = os.open(src / "a", os.O_RDONLY)
+    try:
+        for level in range(18):  # 18 x 250 bytes: past PATH_MAX (4096)
+            name = f"{level:02d}" + "d" * 248
+            os.mkdir(name, dir_fd=fd)
+            nxt = os.open(name, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        for k in range(10):
+            w = os.open(f"deep{k}.jpg", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+            os.write(w, jpeg(8, 8, k))
+            os.close(w)
+    finally:
+        os.close(fd)
+    s = packio.convert(src, tmp_path / "d.lmdb", progress=False)
+    too_long = sum(n for reason, n in s.skipped.items() if "path longer" in reason)
+    assert s.packed == 20 and too_long == 10, s.text()
