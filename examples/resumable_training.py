@@ -1,10 +1,11 @@
 """A training loop that resumes exactly: on any number of ranks and DataLoader workers.
 
-    torchrun --nproc_per_node=2 examples/resumable_training.py out.tar ckpt.json --epochs 3
+    packio convert images/ out.wds          # any format works; tar shards stream best
+    torchrun --nproc_per_node=2 examples/resumable_training.py out.wds ckpt.json --epochs 3
     # stop it at any moment, then run it again (with another --nproc_per_node or --workers):
     # it continues where the checkpoint says, with no sample lost or repeated.
 
-``train`` is the loop the README shows, and the one the tests run under torchrun
+``train`` is the loop docs/training.md shows, and the one the tests run under torchrun
 (tests/ddp_worker.py): every epoch, every sample exactly once across the ranks,
 the interrupted run and the resumed one together.
 """

@@ -71,7 +71,8 @@ def main() -> None:
     ap.add_argument("--channels-last", action="store_true")
     a = ap.parse_args()
 
-    device = resolve(a.device)  # None: LOCAL_RANK's GPU under torchrun, else the current one, else the CPU
+    # None: LOCAL_RANK's GPU under torchrun, else the current one; the CPU, said plainly, where there is none
+    device = resolve(a.device or (None if torch.cuda.is_available() else "cpu"))
     # CPU decode: workers decode + resize a bit larger than the crop; GPU decode: workers only read bytes.
     ds = packio.open_dataset(a.data, decode=not a.gpu_decode, resize=None if a.gpu_decode else int(a.size * 1.15))
     check_labels(ds)

@@ -13,8 +13,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "convert": "packio.converter", "Summary": "packio.converter",
-    "verify": "packio.verifier",
+    "convert": "packio.urls", "Summary": "packio.converter",
+    "verify": "packio.urls",
     "collate": "packio.collation",
     "ResizeSpec": "packio.decode",
     "PackOptions": "packio.options", "DecodeOptions": "packio.options",
@@ -27,8 +27,9 @@ _LAZY = {
     "open_dataset": "packio.datasets", "PackedDataset": "packio.datasets",
     "PackedIterableDataset": "packio.datasets", "DataLoader": "packio.loading",
     "ResumableSampler": "packio.datasets",
-    "open_reader": "packio.formats",
+    "open_reader": "packio.urls",
     "tune": "packio.tuning",
+    "show": "packio.preview",
 }
 
 

@@ -1,4 +1,4 @@
-"""Command line: a thin layer over convert / info / verify / bench."""
+"""Command line: a thin layer over convert / info / verify / show / doctor / bench."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _address(text: str) -> str:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from packio.converter import convert
+    from packio.urls import convert
     from packio.decode import ResizeSpec
     from packio.options import PackOptions
     from packio.sources import parse_columns
@@ -113,14 +113,18 @@ def _cmd_info(a: argparse.Namespace) -> int:
     from packio.converter import describe_history, describe_output
     from packio.formats import open_reader
     from packio.manifest import disk_bytes
+    from packio.urls import is_url
 
-    reader = open_reader(a.path)
-    m = reader.manifest
+    if is_url(a.path):  # the manifest only: nothing else is downloaded
+        from packio.remote.reader import read_manifest
+        from packio.remote.store import Store
+
+        m = read_manifest(Store(a.path))[1]
+    else:
+        m = open_reader(a.path).manifest
     if a.json:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
-    from packio.remote import is_url
-
     p = Path(a.path)
     if is_url(a.path):  # what the manifest lists; nothing is downloaded to count it
         size = sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict))
@@ -131,20 +135,24 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"samples:  {m.count}")
     print(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
     print(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
-    for line in describe_output(reader.path if is_url(a.path) else p, m):  # a URL: its cache folder, named as the URL
-        print(line.replace(str(reader.path), a.path) if is_url(a.path) else line)
+    for line in describe_output(p, m):  # a URL: Path() merged its '//'
+        print(line.replace(str(p), a.path) if is_url(a.path) else line)
     shape = m.image.get("shape")
     print(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
     print(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))
     for i, line in enumerate(describe_history(m)):
         print(f"{'history:' if i == 0 else '':9s} {line}")
+    from packio.census import describe as describe_annotations
+
+    for line in describe_annotations(m):
+        print(line)
     print(f"skipped:  {json.dumps(m.summary.get('skipped', {}))}")
     print(f"files:    {len(m.files)} listed with checksums")
     return 0
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from packio.verifier import verify
+    from packio.urls import verify
 
     report = verify(a.path)
     print(report.text())
@@ -164,6 +172,33 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
         md, png = doctor_report.write(d, a.report)
         print(f"report: {md}" + (f", {png}" if png else " (no PNG: pip install 'packio[bench]' for matplotlib)"))
     return 0
+
+
+def _resize_arg(text: str) -> int | tuple[int, int]:
+    h, w = _parse_hw(text)
+    return h if "x" not in text.lower() else (h, w)
+
+
+def _cmd_show(a: argparse.Namespace) -> int:
+    from packio.preview import show
+
+    out = show(a.path, a.index, a.output, resize=a.resize, count=a.count, cell=a.cell)
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_show(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("show", help="draw samples (boxes, class names, labels, keys) into a PNG grid",
+                       description="Draw samples of DATASET (any format, or a URL) as stored and, with --resize, "
+                                   "as read: boxes with their class names, the image label and key under each.")
+    s.add_argument("path", metavar="DATASET")
+    s.add_argument("index", nargs="*", type=int, help="sample indices (default: --count spread over the dataset)")
+    s.add_argument("-o", "--output", default="grid.png", help="PNG to write (default grid.png)")
+    s.add_argument("--resize", type=_resize_arg, metavar="N|HxW",
+                   help="also draw each sample as read with resize= (N: squashed to NxN, aspect not kept)")
+    s.add_argument("--count", type=_int_in(1, 64), default=8, help="samples when no index is given (default 8)")
+    s.add_argument("--cell", type=_int_in(32, 2048), default=256, help="tile side in pixels (default 256)")
+    s.set_defaults(fn=_cmd_show)
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
@@ -263,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path")
     v.set_defaults(fn=_cmd_verify)
 
+    _add_show(sub)
     _add_doctor(sub)
     sub.add_parser("bench", help="compare formats on one dataset; 'packio bench --help' for its options")
     return p

@@ -15,6 +15,7 @@ import functools
 import math
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import stat
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from packio import census
 from packio import decode as dec
 from packio import geometry as geo
 from packio import limits
@@ -48,7 +50,7 @@ REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-enc
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
 # workers="auto": time the first inputs here, then use processes only when each input costs at
 # least AUTO_MIN_TASK_S and the rest at least AUTO_MIN_REST_S in one process: starting a pool
-# cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (tools/bench_workers.py).
+# cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (benchmarks/convert.py workers).
 AUTO_PROBE, AUTO_PROBE_S, AUTO_MIN_TASK_S, AUTO_MIN_REST_S = 16, 0.3, 0.002, 3.0
 
 
@@ -70,8 +72,11 @@ class Summary:
                  f"{self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s"]
         if self.manifest is not None and "://" not in self.output:  # a URL: 'packio info URL' describes it
             lines += describe_output(Path(self.output), self.manifest)
+        if self.manifest is not None:
+            lines += census.describe(self.manifest)
         if self.info.get("workers"):
-            lines.append(f"workers:  {self.info['workers']}")
+            w = self.info["workers"]  # packing processes, not a DataLoader's workers: said apart
+            lines.append(f"packing:  {w if 'Dask' in w else '--workers ' + w}")
         lines.append(f"skipped {skipped}" + (":" if skipped else ""))
         lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
         if self.info.get("duplicate_content"):
@@ -386,12 +391,8 @@ def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = N
     options = merge_options(PackOptions, options, fields, "convert")
     run = dict(csv=csv, columns=columns, workers=workers, strict=strict, progress=progress, scheduler=scheduler,
                parts=parts, follow_symlinks=follow_symlinks)
-    from packio.remote import is_url
-
-    if is_url(dst):  # pack locally; upload shards as they finish, the manifest last (packio[remote])
-        from packio.remote.upload import convert_to_url
-
-        return convert_to_url(convert, src, str(dst), overwrite=overwrite, options=options, **run)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", str(dst)):
+        raise PackioError(f"{dst}: a URL; convert to it with packio.convert (it packs locally, then uploads)")
     t0 = time.perf_counter()
     src, dst = Path(src), Path(str(dst).rstrip("/"))
     spec = output_format(dst, options.format)
@@ -441,6 +442,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packe
         notes.update(scan.notes)
         classes, tasks = scan.classes, scan.items
         source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
+        source_info["csv_unused_text"] = census.unused_text_columns(csv, scan.info.get("csv_columns"))
         if not tasks:
             skipped = sum(scan.skipped.values())
             raise SourceError(f"{src}: no image files found" + (f" ({skipped} entries skipped: "
@@ -747,6 +749,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     stored: Counter[str] = Counter()  # encodings stored
     jpeg_encoded = False  # whether this step encoded any JPEG (the manifest then records the quality)
     chosen: dict[str, Any] = {}
+    tally = census.Tally()
     try:
         with _progress(len(tasks), progress) as bar:
             for r in _results(fn, tasks, workers, chosen):
@@ -764,6 +767,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
                 stored[sample.encoding] += 1
                 jpeg_encoded |= not r.kept and sample.encoding == "jpeg"
                 notes.update(r.notes)
+                tally.add(sample)
                 writer.add(sample)
         if job.strict and skipped:
             raise SourceError(f"{sum(skipped.values())} inputs were skipped (--strict): " + "; ".join(problems[:5]))
@@ -774,11 +778,11 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     manifest = Manifest(format=job.format, count=writer.count, id=uuid.uuid4().hex, classes=job.classes,
                         image=_image_facts(job.image, done, stored, jpeg_encoded), source=job.source, extra=extra,
                         summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup,
-                                 "notes": dict(notes)})
+                                 "notes": dict(notes), "annotations": tally.to_json(job.classes)})
     writer.write_manifest(manifest)
     return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup,
             "notes": dict(notes), "done": dict(done), "stored": dict(stored), "jpeg_encoded": jpeg_encoded,
-            "workers": chosen.get("workers"), "manifest": manifest}
+            "workers": chosen.get("workers"), "manifest": manifest, "annotations": manifest.summary["annotations"]}
 
 
 def _image_facts(image: dict[str, Any], done: Counter[str], stored: Counter[str], jpeg: bool) -> dict[str, Any]:
@@ -867,13 +871,14 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
                         source=job.source,
                         extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},
                         summary={"packed": count, "skipped": dict(skipped), "duplicate_content": dup,
-                                 "notes": dict(notes), "note": "duplicate_content counts within each part"},
+                                 "notes": dict(notes), "note": "duplicate_content counts within each part",
+                                 "annotations": census.merge([r["annotations"] for r in results])},
                         files=describe_files(root), id=uuid.uuid4().hex)
     (root / MANIFEST_NAME).write_text(manifest.to_json())
     return {"count": count, "skipped": dict(skipped), "notes": dict(notes),
             "problems": [p for r in results for p in r["problems"]],
             "duplicate_content": dup, "done": dict(done), "manifest": manifest,
-            "workers": f"{k} parts on {nworkers} Dask workers"}
+            "workers": f"{k} parts on {nworkers} Dask worker{'s' if nworkers != 1 else ''}"}
 
 
 def _part_job(job: _Job, count: int) -> _Job:

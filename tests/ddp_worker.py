@@ -1,4 +1,4 @@
-"""Run by test_distributed under torchrun (gloo, CPU): runs the README's training
+"""Run by test_distributed under torchrun (gloo, CPU): runs the training
 loop (examples/resumable_training.py) once per scenario of a JSON plan, and writes
 the keys each rank trained on, per epoch and batch, to ``OUT/NAME.rankR.json``.
 

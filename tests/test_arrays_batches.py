@@ -1,5 +1,5 @@
 """Whole-batch paths at the memcpy / decode limit: arrays batches gathered in one copy into
-reusable buffers by packio.DataLoader, and the tar stream's batches decoded into one buffer.
+a fresh buffer each, and the tar stream's batches decoded into one buffer.
 Every batch is checked pixel for pixel against per-sample reads, every key counted."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import packio
 from packio.formats.columns import Columns
-from packio.items import Items
+from packio.items import Decoder
 
 
 @pytest.fixture
@@ -36,20 +36,19 @@ def _check(ds: packio.PackedDataset, batches: list[dict]) -> list[int]:
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_arrays_batches_are_whole_gathers_into_reused_buffers(arrays, monkeypatch, shuffle):
+def test_arrays_batches_are_whole_gathers_into_fresh_buffers(arrays, monkeypatch, shuffle):
     def per_sample(*_: object) -> None:
-        raise AssertionError("the per-sample path was used")
+        raise AssertionError("the per-sample route was used")
 
-    monkeypatch.setattr(Items, "get", per_sample)
-    loader = packio.DataLoader(arrays, batch_size=5, shuffle=shuffle, num_workers=2)  # 2 threads share each copy
+    monkeypatch.setattr(Decoder, "samples", per_sample)
+    arrays.items.threads = 2  # 2 threads share each copy
+    loader = packio.DataLoader(arrays, batch_size=5, shuffle=shuffle)
     kept = list(loader)  # every batch kept alive: none may be overwritten by a later one
     assert len({b["image"].data_ptr() for b in kept}) == len(kept)
     assert sorted(_check(arrays, kept)) == list(range(len(arrays)))
     assert any(len(x) for b in kept for x in b["boxes"])
-    ptrs = {b["image"].data_ptr() for b in loader}  # released after each step: the pool's buffers come back
-    assert ptrs <= {buf.data_ptr() for buf, _ in loader._pool._free} and len(ptrs) <= 2
     it = iter(loader)
-    held = next(it)["image"][0]  # a view alone keeps its buffer from being reused
+    held = next(it)["image"][0]  # a view alone: its pixels stay as they were
     copy = held.clone()
     for b in it:
         assert b["image"].untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
@@ -71,7 +70,7 @@ def test_arrays_batches_resume_exactly_and_fall_back_on_bad_reads(arrays, monkey
     rest = list(again)
     assert sorted(first + _check(arrays, rest)) == list(range(n))
     # a failing gather goes through the per-sample path (which applies on_error), same batches
-    monkeypatch.setattr(type(arrays.reader), "read_flat",
+    monkeypatch.setattr(type(arrays.reader), "read_batch",
                         lambda *a: (_ for _ in ()).throw(packio.errors.FormatError("x")))
     assert sorted(_check(arrays, list(packio.DataLoader(arrays, batch_size=4)))) == list(range(n))
 
@@ -93,11 +92,12 @@ def test_flat_columns_match_per_sample_slices():
     cols = Columns.checked({"labels": rng.integers(0, 9, 40), "boxes": rng.random((off[-1], 4), np.float32),
                             "box_labels": rng.integers(0, 5, off[-1]), "box_offsets": off}, 40, "t")
     for idx in (np.arange(7, 19), rng.permutation(40)[:13], np.array([5, 5, 0, 39]), np.array([3])):
-        labels, boxes, box_labels, got_counts = cols.take_flat(idx)
-        ref = cols.take(idx)
-        assert labels.tolist() == ref["label"].tolist() and got_counts.tolist() == [len(b) for b in ref["boxes"]]
-        np.testing.assert_array_equal(boxes, np.concatenate(ref["boxes"]))
-        np.testing.assert_array_equal(box_labels, np.concatenate(ref["box_labels"]))
+        labels, boxes, box_labels, got_counts = cols.take(idx)
+        per_sample = [(off[i], off[i + 1]) for i in idx]
+        assert labels.tolist() == cols.labels[idx].tolist()
+        assert got_counts.tolist() == [b - a for a, b in per_sample]
+        np.testing.assert_array_equal(boxes, np.concatenate([cols.boxes[a:b] for a, b in per_sample]))
+        np.testing.assert_array_equal(box_labels, np.concatenate([cols.box_labels[a:b] for a, b in per_sample]))
         boxes[:] = -1  # a copy: the dataset's column is untouched
         assert not (cols.boxes == -1).all(axis=1).any()
 
@@ -109,7 +109,7 @@ def test_tar_stream_batches_are_one_decoded_buffer(gen_folder, tmp_path, monkeyp
     src, csv = gen_folder
     packio.convert(src, tmp_path / "d.wds", csv=csv, shards=3, progress=False)
     ref_ds = packio.open_dataset(tmp_path / "d.wds", resize=(24, 32))
-    ref = {i: ref_ds.items.get([i])[0] for i in range(len(ref_ds))}
+    ref = {i: ref_ds[i] for i in range(len(ref_ds))}
     ds = packio.open_dataset(tmp_path / "d.wds", iterable=True, shuffle=True, seed=2, resize=(24, 32))
 
     def no_stack(*_: object, **__: object) -> None:

@@ -54,11 +54,12 @@ def test_columns_round_trip_across_drains_and_refuse_damage():
     cols = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     cols["box_offsets"] = np.concatenate([[0], cols["box_offsets"]])
     c = Columns.checked(cols, 3, "x")
-    got = c.take(np.array([2, 0, 1]))
-    assert got["label"].tolist() == [1, -1, 0]
-    for g, want in zip(got["boxes"], [boxes[2], boxes[0], boxes[1]]):
-        np.testing.assert_array_equal(g, want)
-    assert [b.tolist() for b in got["box_labels"]] == [[20], [], [10, 11]]
+    labels, flat, flat_labels, counts = c.take(np.array([2, 0, 1]))
+    assert labels.tolist() == [1, -1, 0]
+    cuts = np.cumsum(counts)[:-1]
+    for g, want in zip(np.split(flat, cuts), [boxes[2], boxes[0], boxes[1]]):
+        np.testing.assert_array_equal(g.reshape(-1, 4), np.asarray(want, np.float32).reshape(-1, 4))
+    assert [b.tolist() for b in np.split(flat_labels, cuts)] == [[20], [], [10, 11]]
     for name, bad in (("box_offsets", np.array([0, 2, 1, 3])), ("box_offsets", np.array([0, 0, 2, 4])),
                       ("labels", np.zeros(3, np.int32)), ("boxes", np.zeros((3, 3), np.float32))):
         with pytest.raises(FormatError, match="x: label/box columns"):

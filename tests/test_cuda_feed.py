@@ -399,13 +399,13 @@ def test_training_example_runs_on_cpu(gen_folder, tmp_path):
 
 
 def test_gpu_check_fails_without_cuda_unless_allowed(monkeypatch, capsys):
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import gpu_check
+        import gpu as gpu_check
     finally:
-        sys.path.remove(str(ROOT / "tools"))
+        sys.path.remove(str(ROOT / "benchmarks"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = ["gpu_check.py", "--images", "12", "--batch", "6", "--steps", "2"]
+    args = ["gpu.py", "--images", "12", "--batch", "6", "--steps", "2"]
     monkeypatch.setattr(sys, "argv", args)
     assert gpu_check.main() == 2
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Exactly once under real DDP: torchrun (gloo, CPU) runs the README's training loop
+"""Exactly once under real DDP: torchrun (gloo, CPU) runs the training loop of docs/training.md
 (examples/resumable_training.py via tests/ddp_worker.py) and the keys each rank
 trained on are counted here.
 
@@ -195,9 +195,9 @@ def test_torchrun_elastic_resume(ddp):
     assert any(leg["stop"] and leg["stop"][0] == 0 for chain in legs.values() for leg in chain)
 
 
-def test_readme_training_loop_is_the_tested_one():
+def test_docs_training_loop_is_the_tested_one():
     sys.path.insert(0, str(ROOT / "examples"))
     from resumable_training import train
 
-    readme = (ROOT / "README.md").read_text()
-    assert inspect.getsource(train) in readme
+    page = (ROOT / "docs" / "training.md").read_text()  # tests/test_docs.py runs its blocks
+    assert inspect.getsource(train) in page

@@ -263,3 +263,49 @@ def test_cpu_seconds_counts_worker_processes():
     finally:
         child.terminate()
         child.join()
+
+
+def test_watch_report_leads_with_the_verdict():
+    _, fast, *_ = run_loop(0.002, 0.020, n=20)  # the loader keeps up with a slow step
+    first = fast.text().splitlines()[0]
+    assert first.startswith("verdict: your loader keeps up: nothing to change"), fast.text()
+    _, slow, *_ = run_loop(0.020, 0.002, n=20)  # the step waits for a slow loader
+    first = slow.text().splitlines()[0]
+    assert first.startswith(f"verdict: training waits {slow.input_bound * 100:.0f} % of the time; do: "), slow.text()
+    assert slow.advice[0] in first
+
+
+def _diagnosis(now: float, best: float, step_ms: float | None):
+    from packio.doctor.candidates import Candidate
+    from packio.doctor.offline import Diagnosis
+
+    cands = [Candidate("uint8 64x64 arrays", "u8-64", samples_per_s=best, full_bytes=5e8, keeps_crops=False,
+                       convert_line="packio convert imgs d-u8.arrays --size 64x64",
+                       reader_lines=["ds = packio.open_dataset('d-u8.arrays')"]),
+             Candidate("JPEG short side 256 (lmdb)", "jpeg256", samples_per_s=best * 0.6, full_bytes=2e8,
+                       convert_line="packio convert imgs d-256.lmdb --short-side 256",
+                       reader_lines=["ds = packio.open_dataset('d-256.lmdb', resize=64)"]),
+             Candidate("image folder, a file per sample", "now", samples_per_s=now, now=True)]
+    return Diagnosis(source="imgs", count=1000, sample=256, size=64, batch_size=32, step_ms=step_ms, budget=None,
+                     cpus=2, workers_tried=[0], stages=None, candidates=cands, gpu=None, seconds=10, elapsed=5)
+
+
+def test_offline_verdict_keeps_up_or_says_how_long_it_waits_and_what_to_do():
+    keeps = report.verdict(_diagnosis(now=800, best=9000, step_ms=120))  # 32 per 120 ms: 267/s needed
+    assert keeps[0].startswith("verdict: your loader keeps up: nothing to change"), keeps
+    waits = report.verdict(_diagnosis(now=100, best=9000, step_ms=20))  # 1,600/s needed
+    assert waits[0].startswith("verdict: training waits ~94 % of the time"), waits
+    # the smallest layout that keeps the step fed with random crops kept: short side 256, not the arrays
+    assert waits[0].endswith("do: packio convert imgs d-256.lmdb --short-side 256") and "enough" in waits[-1]
+    assert waits[2].strip() == "ds = packio.open_dataset('d-256.lmdb', resize=64)"  # the reader line as printed
+    close = report.verdict(_diagnosis(now=250, best=9000, step_ms=120))  # 267/s needed: waits ~6 %
+    assert close[0].startswith("verdict: your loader keeps up: nothing to change") and "waits ~6 %" in close[0]
+    short = report.verdict(_diagnosis(now=100, best=1000, step_ms=20))  # nothing is fast enough
+    assert short[0].endswith("d-u8.arrays --size 64x64") and "still short" in short[-1]
+    unknown = report.verdict(_diagnosis(now=800, best=9000, step_ms=None))
+    assert "give --step-ms" in unknown[0] and "40 ms or more never waits" in unknown[0]
+
+
+def test_layout_chart_uses_a_log_axis_when_rates_span_decades():
+    assert report.log_axis([137.0, 900.0, 2500.0, 19000.0]) and not report.log_axis([800.0, 1200.0, 2500.0])
+    assert not report.log_axis([5000.0]) and not report.log_axis([0.0, 10.0])

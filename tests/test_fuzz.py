@@ -55,9 +55,9 @@ def snapshot(path):
         out.append([s.key, int(s.label), np.asarray(s.boxes).tolist(), np.asarray(s.box_labels).tolist(),
                     payload.hex()])
     batch = r.read_batch(list(range(len(r)))) if len(r) else None
-    if batch is not None:
-        out.append(["batch", batch["key"], np.asarray(batch["label"]).tolist(),
-                    [np.asarray(b).tolist() for b in batch["boxes"]], batch["image"].tobytes().hex()])
+    if batch is not None and batch.pixels is not None:
+        out.append(["batch", batch.keys, batch.labels.tolist(), batch.boxes.tolist(), batch.counts.tolist(),
+                    batch.box_labels.tolist(), batch.pixels.tobytes().hex()])
     r.close()
     return out
 

@@ -58,7 +58,7 @@ def act(case):
     if kind == "reader_batch":  # the whole-batch path of fixed-shape formats
         from packio.formats import open_reader
         r = open_reader(path)
-        return r.read_batch(list(range(len(r))))["key"]
+        return r.read_batch(list(range(len(r)))).keys
     if kind == "convert":
         s = packio.convert(path, case["dst"], progress=False, **kw)
         return {"packed": s.packed, "skipped": dict(s.skipped)}

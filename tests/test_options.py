@@ -101,8 +101,10 @@ def test_dataset_options_object_equals_keywords_and_keywords_win(gen_folder, tmp
         a, b = by_obj[i], by_kw[i]
         assert a["image"].shape == (3, 20, 28) and torch.equal(a["image"], b["image"])
         assert torch.equal(a["boxes"], b["boxes"]) and a["key"] == b["key"]
-    raw = packio.LMDBIterableDataset(tmp_path / "d.lmdb", options=opts, decode=False)
-    assert raw.options.resize == (20, 28) and raw.options.on_error == "skip"
+    with pytest.raises(ValueError, match="decode=True"):  # a resize that would be ignored
+        packio.LMDBIterableDataset(tmp_path / "d.lmdb", options=opts, decode=False)
+    raw = packio.LMDBIterableDataset(tmp_path / "d.lmdb", options=opts, decode=False, resize=None)
+    assert raw.options.resize is None and raw.options.on_error == "skip"
     first = next(iter(raw))
     assert first["image"] == bytes(raw.reader.read(first["index"]).payload)  # as stored: bytes, not pixels
 

@@ -112,8 +112,9 @@ def test_dataloader_two_workers_exactly_once_one_download_per_shard(ctx, tar_pai
         got = [(k, bytes(img)) for batch in loader for k, img in zip(batch["key"], batch["image"])]
         assert sorted(k for k, _ in got) == sorted(want)  # every sample exactly once
         assert all(want[k] == v for k, v in got)
-    # the server's own count: manifest + index + each of the 5 shards, once, for two workers and two epochs
-    assert s3_server.gets(bucket) - before == 1 + 1 + 5
+    # the server's own count (HEADs count as GETs; s3fs HEADs each object it opens): manifest + the upload's
+    # marker (HEAD) + index + each of the 5 shards, once, for two workers and two epochs
+    assert s3_server.gets(bucket) - before == 2 + 1 + 2 * (1 + 5)
 
 
 def test_resume_mid_epoch(tar_pair):
@@ -152,8 +153,9 @@ def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
     stream.reader.prefetch = 1
     it = iter(packio.DataLoader(stream, batch_size=3))
     next(it)  # shard 0 read; at most shard 1 prefetched
-    s3_server.client().delete_object(Bucket=bucket, Key="sets/ds.wds/shard-000004.tar")
-    with pytest.raises(RemoteError, match=rf"s3://{bucket}/sets/ds.wds/shard-000004.tar: not found"):
+    sub = stream.reader.store.url.rsplit("/", 1)[1]  # the upload's folder, v-VERSION
+    s3_server.client().delete_object(Bucket=bucket, Key=f"sets/ds.wds/{sub}/shard-000004.tar")
+    with pytest.raises(RemoteError, match=rf"s3://{bucket}/sets/ds.wds/{sub}/shard-000004.tar: not found"):
         for _ in it:
             pass
 
@@ -161,7 +163,8 @@ def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
 def test_corrupted_object_is_a_checksum_error(tar_pair, bucket, s3_server):
     url, local, cache = tar_pair
     client = s3_server.client()
-    key = "sets/ds.wds/shard-000002.tar"
+    sub = packio.open_dataset(url, cache_dir=cache).reader.store.url.rsplit("/", 1)[1]
+    key = f"sets/ds.wds/{sub}/shard-000002.tar"
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
     client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
@@ -226,8 +229,9 @@ def test_two_processes_share_one_cache(tar_pair, bucket, s3_server, tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert json.loads(out) == want
-    # the server's own count: each process read the manifest; the index and 5 shards came once
-    assert s3_server.gets(bucket) - before == 2 + 1 + 5
+    # the server's own count: each process read the manifest (HEAD + GET) and found the upload's marker (HEAD);
+    # the index and 5 shards came once
+    assert s3_server.gets(bucket) - before == 2 * 3 + 2 * (1 + 5)
 
 
 def test_failed_conversion_leaves_nothing_readable(gen_folder, tmp_path, bucket, s3_server):
@@ -255,7 +259,7 @@ def test_a_strangers_manifest_cannot_name_paths_outside(tmp_path, http_server, g
 
 def test_without_the_extra_a_url_says_what_to_install(tmp_path):
     code = ("import sys; sys.modules['fsspec'] = None\n"
-            "from packio.formats import open_reader\n"
+            "from packio import open_reader\n"
             "try:\n    open_reader('s3://bucket/ds.wds')\nexcept Exception as e:\n    print(type(e).__name__, e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.startswith("RemoteError") and "pip install 'packio[remote]'" in out.stdout
@@ -303,4 +307,6 @@ def test_cli_convert_info_verify_a_url(gen_folder, tmp_path, bucket, s3_server, 
     assert main(["convert", str(src), url, "--quiet", "--overwrite"]) == 0  # one shard now
     assert len(packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.manifest.extra["shards"]) == 1
     names = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
-    assert sorted(names) == ["cli.wds/index.npy", "cli.wds/packio.json", "cli.wds/shard-000000.tar"]  # old shards gone
+    sub = packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.store.url.rsplit("/", 1)[1]
+    assert sorted(names) == sorted(["cli.wds/packio.json"] + [f"cli.wds/{sub}/{n}" for n in (
+        "index.npy", "packio.json", "shard-000000.tar")])  # the old upload's objects are gone

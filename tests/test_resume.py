@@ -44,7 +44,7 @@ def test_stock_torch_dataloader_map_style(packed, fmt):
     path = packed[fmt]
     ds = packio.open_dataset(path, resize=(9, 11))
     got = ds.__getitems__([3, 0, 7])
-    assert isinstance(got, list) and [x["index"] for x in got] == [3, 0, 7]
+    assert len(got) == 3 and [x["index"] for x in got] == [3, 0, 7]  # list-like: a packio Batch
     for a, i in zip(got, [3, 0, 7]):
         assert torch.equal(a["image"], ds[i]["image"]) and a["key"] == ds[i]["key"]
     want = {ds.sample(i).key: ds[i]["image"] for i in range(len(ds))}

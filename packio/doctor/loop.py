@@ -28,6 +28,7 @@ from packio.doctor.measure import batch_len, percentile_ms, throughput
 from packio.errors import PackioError
 
 __all__ = ["WatchReport", "Watch", "advise", "watch"]
+INPUT_BOUND = 0.10  # waiting less than this share of the time: a faster loader would not speed training up
 
 
 @dataclass
@@ -59,6 +60,7 @@ class WatchReport:
         lo, hi = self.loader_alone_per_s
         alone = f"{lo:.1f}" if abs(hi - lo) <= 0.05 * max(lo, 1e-9) else f"{lo:.1f} to {hi:.1f}"
         lines = [
+            self.verdict(),
             f"packio doctor: {self.steps} steps, {self.samples} samples, {self.passes} pass(es); timing: {self.timing}",
             f"  input-bound:      {self.input_bound * 100:.0f} % of the time waits for data "
             f"({self.wait_s:.2f} s waiting, {self.step_s:.2f} s in steps)",
@@ -72,6 +74,16 @@ class WatchReport:
         ]
         lines += [f"  → {a}" for a in self.advice]
         return "\n".join(lines)
+
+    def verdict(self) -> str:
+        """The answer first: does training wait for data, and if so what to do."""
+        if not self.steps:
+            return "verdict: no steps recorded yet"
+        if self.input_bound < INPUT_BOUND:
+            return (f"verdict: your loader keeps up: nothing to change (training waits {self.input_bound * 100:.0f} % "
+                    "of the time)")
+        return f"verdict: training waits {self.input_bound * 100:.0f} % of the time; do: " + (
+            self.advice[0] if self.advice else "see below")
 
     def __str__(self) -> str:
         return self.text()
@@ -235,7 +247,7 @@ def advise(r: WatchReport) -> list[str]:
     if not r.steps:
         return ["no steps recorded yet"]
     out: list[str] = []
-    if r.input_bound < 0.10:
+    if r.input_bound < INPUT_BOUND:
         out.append(f"the step is the bottleneck ({r.input_bound * 100:.0f} % waiting): a faster loader will not "
                    "speed this training up")
     else:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from packio.doctor.candidates import Candidate
+from packio.doctor.loop import INPUT_BOUND
 from packio.doctor.offline import Diagnosis
 from packio.doctor.stages import STAGES, StageCosts
 
-__all__ = ["recommendation", "text", "markdown", "plot", "write"]
+__all__ = ["verdict", "recommendation", "text", "markdown", "plot", "write"]
 
 
 def _mb(n: float) -> str:
@@ -49,6 +50,41 @@ def _vs_now(d: Diagnosis, c: Candidate) -> str:
     return f"{d.expected(c) / base:.1f}" if base > 0 else "-"
 
 
+def _fix(d: Diagnosis, need: float) -> Candidate | None:
+    """The layout to move to: the smallest that keeps the step fed (random crops kept when
+    one does), else the fastest."""
+    ok = [c for c in d.candidates if not c.now and not c.error and d.expected(c) >= need]
+    pool = [c for c in ok if c.keeps_crops] or ok
+    return min(pool, key=lambda c: c.full_bytes) if pool else d.best
+
+
+def verdict(d: Diagnosis) -> list[str]:
+    """The answer first: does training wait on this data as it is, and if so what to do."""
+    now, need = d.now, d.needed
+    if now is None or now.error:
+        return [f"verdict: the data as it is could not be timed ({now.error if now else 'no baseline'}); "
+                "the ranking below compares the layouts"]
+    have = d.expected(now)
+    if need is None:
+        return [f"verdict: as it is, the data feeds {have:.0f} samples/s, so a training step of {d.batch_size} "
+                f"taking {d.batch_size / max(have, 1e-9) * 1e3:.0f} ms or more never waits for it; "
+                "give --step-ms to know whether yours does"]
+    share = max(0.0, 1 - have / need)  # of the time the step would wait (the loader overlapping the step)
+    facts = f"{now.title}: {have:.0f} samples/s; a {d.step_ms:g} ms step of {d.batch_size} takes {need:.0f}"
+    if share < INPUT_BOUND:  # the line the in-loop watch() draws too
+        return [f"verdict: your loader keeps up: nothing to change ({facts}"
+                + (f"; waits ~{share * 100:.0f} % of the time, not worth a conversion)" if share else ")")]
+    wait = f"verdict: training waits ~{share * 100:.0f} % of the time ({facts})"
+    fix = _fix(d, need)
+    if fix is None:
+        return [wait + "; no other layout could be measured: see the errors below"]
+    enough = d.expected(fix) >= need
+    return [f"{wait}; do: {fix.convert_line}",
+            *(["  then read it with:", *[f"    {x.strip()}" for x in fix.reader_lines]] if fix.reader_lines else []),
+            f"  ({fix.title}: {d.expected(fix):.0f} samples/s"
+            + (", enough)" if enough else ", the fastest here but still short: more CPUs, or GPU decode)")]
+
+
 def recommendation(d: Diagnosis) -> list[str]:
     """The ranked advice: what to convert to, and the exact lines."""
     best, crops, now = d.best, d.best_with_crops, d.now
@@ -84,7 +120,8 @@ def recommendation(d: Diagnosis) -> list[str]:
 def text(d: Diagnosis) -> str:
     st = d.stages
     pct = 100 * d.sample / max(d.count, 1)
-    lines = [f"packio doctor — {d.source}",
+    lines = [*filter(None, verdict(d)), "",
+             f"packio doctor — {d.source}",
              f"budget: {d.budget.text()} → timing with {d.cpus} CPUs, num_workers tried {d.workers_tried}",
              f"sample: {d.sample} of {d.count} ({pct:.1f} %), training size {d.size}, batch {d.batch_size}; "
              f"took {d.elapsed:.0f} s of a {d.seconds:g} s budget",
@@ -108,7 +145,7 @@ def text(d: Diagnosis) -> str:
 
 
 def markdown(d: Diagnosis, png: str | None) -> str:
-    md = [f"# packio doctor — {d.source}", "",
+    md = [f"# packio doctor — {d.source}", "", *[x.strip() for x in verdict(d) if x], "",
           f"- budget: {d.budget.text()}; timed with {d.cpus} CPUs, num_workers tried {d.workers_tried}",
           f"- sample: {d.sample} of {d.count}, training size {d.size}, batch {d.batch_size}; "
           f"{d.elapsed:.0f} s of a {d.seconds:g} s budget",
@@ -137,6 +174,12 @@ def markdown(d: Diagnosis, png: str | None) -> str:
     md.append(f"![stage costs and layouts]({png})" if png else
               "(no chart: matplotlib is missing; `pip install 'packio[bench]'`)")
     return "\n".join(md) + "\n"
+
+
+def log_axis(values: list[float]) -> bool:
+    """Whether positive values span a decade or more (then a log axis shows them all)."""
+    pos = [v for v in values if v > 0]
+    return len(pos) > 1 and max(pos) >= 10 * min(pos)
 
 
 def plot(d: Diagnosis, path: Path) -> None:
@@ -173,7 +216,13 @@ def plot(d: Diagnosis, path: Path) -> None:
     if d.needed:
         ax2.axvline(d.needed, color="red", ls="--", label=f"step needs {d.needed:.0f}/s")
         ax2.legend(fontsize=8, loc="lower right")
-    ax2.set_xlim(0, max(rates + [d.needed or 0]) * 1.18 if rates else 1)
+    values = [r for r in rates + [d.needed or 0] if r > 0]
+    if log_axis(values):  # rates spanning decades: a linear axis flattens the slow bars against zero
+        ax2.set_xscale("log")
+        ax2.set_xlabel(ax2.get_xlabel() + " (log scale)")
+        ax2.set_xlim(min(values) / 2, max(values) * 3)
+    else:
+        ax2.set_xlim(0, max(values) * 1.18 if values else 1)
     fig.suptitle(f"packio doctor — {d.source}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100, format="png")

@@ -9,6 +9,7 @@ registry.
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 from packio.errors import FormatError
@@ -87,16 +88,12 @@ def is_packed(path: str | Path) -> bool:
 
 def open_reader(path: str | Path | Reader) -> Reader:
     """Open a packed dataset: by its manifest, or by the first format whose reader
-    claims the path (an HDF5 file, tar shards written by any tool); a URL through
-    packio.remote (cache settings from the environment); a Reader as is."""
-    from packio.remote import is_url
-
+    claims the path (an HDF5 file, tar shards written by any tool);
+    a Reader as is. URLs are opened by ``packio.open_reader`` / ``packio.open_dataset``."""
     if isinstance(path, Reader):
         return path
-    if is_url(path):
-        from packio.remote import open_url
-
-        return open_url(path)
+    if isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", path):
+        raise FormatError(f"{path}: a URL; open it with packio.open_dataset(url) or packio.open_reader(url)")
     p = Path(path)
     if p.is_dir() and (p / MANIFEST_NAME).is_file():
         manifest = Reader.read_manifest(p)

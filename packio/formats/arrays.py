@@ -16,8 +16,8 @@ import numpy as np
 
 from packio import limits
 from packio.errors import FormatError
-from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, decode_stored,
-                                 fixed_image_shape, inside)
+from packio.formats.base import (FormatSpec, Reader, RecordFile, StoredBatch, WriteOptions, Writer,
+                                 decode_stored, fixed_image_shape, inside)
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -38,7 +38,7 @@ def _npy_header(shape: tuple[int, ...]) -> bytes:
 
 def _copy_rows(flat: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = flat[idx]``. np.take, even for a run of consecutive indices: as fast
-    as one memcpy of the whole run (tools/bench_w2.py), so one path serves every batch.
+    as one memcpy of the whole run (benchmarks/loader.py w2), so one path serves every batch.
     Indices are checked already; mode "raise" would buffer a copy of ``out``."""
     np.take(flat, idx, axis=0, out=out, mode="clip")
 
@@ -91,7 +91,6 @@ class ArrayReader(Reader):
     risk: a truncation between that check and the copy; and :meth:`images` hands out
     the map itself."""
 
-    cheap_gather = True
     COUNT_FILE = RecordFile.IDX
 
     @classmethod
@@ -149,43 +148,24 @@ class ArrayReader(Reader):
         return [decode_stored(RecordFile.get(self._h_idx, self._h_blob, int(i)), block[j], f"#{i}")
                 for j, i in enumerate(idx)]
 
-    def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
+    def read_batch(self, indices: Any, threads: Any = None) -> StoredBatch:
+        """One gather of the batch's pixels into a fresh block (``threads`` share the
+        copy), and its labels and boxes sliced from the columns: no per-sample records."""
         self._ensure_open()
         idx = self.check_indices(indices)
         columns, keys = self._meta()
-        image = self.gather(idx)  # checks the maps first
-        return {"image": image, **columns.take(idx), "key": keys[idx].tolist(), "index": idx}
-
-    def read_flat(self, indices: Any, out: np.ndarray | None = None, parts: Any = None) -> dict[str, Any]:
-        """A batch as whole arrays: ``image`` uint8[B, H, W, 3] (gathered into ``out``
-        when given), ``label`` int64[B], ``boxes`` float32[M, 4] / ``box_labels`` int64[M]
-        (sample after sample, ``counts`` int64[B] each), ``key`` list, ``index`` int64[B].
-        ``parts``: a :class:`packio.items.DecodeThreads` to copy the images with."""
-        self._ensure_open()
-        idx = self.check_indices(indices)
-        columns, keys = self._meta()
-        image = self.gather(idx, out, parts)
-        label, boxes, box_labels, counts = columns.take_flat(idx)
-        return {"image": image, "label": label, "boxes": boxes, "box_labels": box_labels, "counts": counts,
-                "key": keys[idx].tolist(), "index": idx}
-
-    def gather(self, idx: np.ndarray, out: np.ndarray | None = None, parts: Any = None) -> np.ndarray:
-        """uint8[B, H, W, 3] for these (checked) indices, into ``out`` when given. From a
-        plain ndarray view of the map: several times faster than np.take(out=...) on the
-        np.memmap (tools/bench_levers.py). With ``parts`` (threads; numpy copies without the GIL) each thread copies a share:
-        one core does not reach the machine's memory bandwidth (tools/bench_w2.py)."""
-        self._ensure_open()
-        self._h_guard.check()
+        self._h_guard.check()  # the maps still hold what their headers claim
         flat = self._h_flat
-        if out is None:
-            return flat[idx]
-        k = min(parts.count, len(idx)) if parts is not None else 1
+        out = np.empty((len(idx), *flat.shape[1:]), np.uint8)
+        k = min(threads.count, len(idx)) if threads is not None else 1
         if k <= 1:
             _copy_rows(flat, idx, out)
-        else:
+        else:  # numpy copies without the GIL: one core does not reach the memory bandwidth (benchmarks/loader.py w2)
             cuts = [len(idx) * j // k for j in range(k + 1)]
-            parts.map(lambda j: _copy_rows(flat, idx[cuts[j]:cuts[j + 1]], out[cuts[j]:cuts[j + 1]]), k)
-        return out
+            threads.map(lambda j: _copy_rows(flat, idx[cuts[j]:cuts[j + 1]], out[cuts[j]:cuts[j + 1]]), k)
+        labels, boxes, box_labels, counts = columns.take(idx)
+        return StoredBatch(idx, pixels=out, labels=labels, boxes=boxes, counts=counts, box_labels=box_labels,
+                           keys=keys[idx].tolist())
 
     def images(self) -> np.ndarray:
         """The memory-mapped ``uint8[N, H, W, 3]`` array itself."""

@@ -9,7 +9,7 @@ import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -21,7 +21,7 @@ from packio.sample import Sample, sample_from_record
 
 __all__ = ["MAX_RECORD_BYTES", "NATIVE_ERRORS", "fixed_image_shape", "WriteOptions", "pack_record", "unpack_record", "decode_stored",
            "file_starts_with", "payload_bytes", "inside", "contained", "Writer", "Reader", "RecordFile",
-           "RecordBlob", "FormatSpec"]
+           "RecordBlob", "FormatSpec", "StoredBatch"]
 
 def inside(root: Path, rel: str | Path) -> Path:
     """``root / rel`` with symlinks resolved; a FormatError when that lies outside
@@ -183,7 +183,7 @@ class Reader(ABC):
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        for name in ("_open", "read", "read_many", "read_batch", "read_flat"):
+        for name in ("_open", "read", "read_many", "read_batch"):
             if name in cls.__dict__:
                 setattr(cls, name, _guarded(cls.__dict__[name], name == "_open"))
 
@@ -272,17 +272,25 @@ class Reader(ABC):
     def read_many(self, indices: list[int]) -> list[Sample]:
         return [self.read(i) for i in indices]
 
-    cheap_gather: bool = False  # True: reading a batch from a page-cached map beats sending it between processes
-
     def check_stored(self) -> list[str]:
         """Problems in stored data that ``manifest.files`` does not cover (for verify)."""
         return []
 
-    def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
-        """Whole-batch fast path of fixed-shape raw formats: ``image`` uint8[B, H, W, 3],
-        ``label`` int64[B], ``boxes`` /
-        ``box_labels`` lists, ``key`` list. ``None`` where the format has none."""
-        return None
+    def read_batch(self, indices: Sequence[int], threads: Any = None) -> "StoredBatch":
+        """The stored samples of a batch. This default reads them one by one (a bad one
+        becomes its error, in its place); fixed-shape raw formats gather one pixel block.
+        ``threads``: a :class:`packio.items.DecodeThreads` a reader may share its copy with."""
+        idx = self.check_indices(indices)
+        try:
+            samples: list[Sample | PackioError] = list(self.read_many(idx.tolist()))
+        except PackioError:
+            samples = []
+            for i in idx.tolist():
+                try:
+                    samples.append(self.read(i))
+                except PackioError as exc:
+                    samples.append(exc)
+        return StoredBatch(idx, samples=samples)
 
     def units(self) -> list[range]:
         """Contiguous index ranges read as a unit by streaming (shards, blocks)."""
@@ -314,6 +322,24 @@ class Reader(ABC):
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_h_")}
         state["_pid"] = None
         return state
+
+
+@dataclass
+class StoredBatch:
+    """A batch as stored, before decoding: ``index`` int64[B] and either ``samples``
+    (each a :class:`Sample`, or the packio error reading it raised) or, from a
+    fixed-shape raw format, ``pixels`` uint8[B, H, W, 3] (a fresh array, never handed
+    out twice) with its columns: ``labels`` int64[B], ``boxes`` float32[M, 4] sample
+    after sample (``counts`` int64[B] each), ``box_labels`` int64[M], ``keys``."""
+
+    index: np.ndarray
+    samples: list[Sample | PackioError] | None = None
+    pixels: np.ndarray | None = None
+    labels: np.ndarray | None = None
+    boxes: np.ndarray | None = None
+    counts: np.ndarray | None = None
+    box_labels: np.ndarray | None = None
+    keys: list[str] | None = None
 
 
 def _identity(path: Path) -> tuple[int, int]:

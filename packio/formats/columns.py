@@ -77,13 +77,7 @@ class Columns:
                               f"the dataset is damaged, re-pack it")
         return cls(labels, boxes, box_labels, off)
 
-    def take(self, idx: np.ndarray) -> dict[str, Any]:
-        """``label`` int64[B], ``boxes`` / ``box_labels`` lists for these sample indices."""
-        a, b = self.box_offsets[idx].tolist(), self.box_offsets[idx + 1].tolist()
-        return {"label": self.labels[idx], "boxes": [self.boxes[x:y] for x, y in zip(a, b)],
-                "box_labels": [self.box_labels[x:y] for x, y in zip(a, b)]}
-
-    def take_flat(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def take(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(labels[B], boxes[M, 4], box_labels[M], counts[B])`` for these sample indices:
         the batch's boxes as one block, sample after sample (``counts`` boxes each), gathered
         with a few numpy calls whatever the batch size (a plain slice for a run of indices)."""

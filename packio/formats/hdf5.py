@@ -22,9 +22,8 @@ import numpy as np
 
 from packio import limits
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, file_starts_with,
-                                 fixed_image_shape,
-                                 pack_record, payload_bytes, unpack_record)
+from packio.formats.base import (FormatSpec, Reader, StoredBatch, WriteOptions, Writer, decode_stored,
+                                 file_starts_with, fixed_image_shape, pack_record, payload_bytes, unpack_record)
 from packio.formats.columns import ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -333,28 +332,34 @@ class HDF5Reader(Reader):
             payload = self._h_images[a:b].tobytes()
         return decode_stored(rec, payload, f"#{i}")
 
-    def read_batch(self, indices: list[int]) -> dict[str, Any] | None:
-        """Fixed-shape files: one chunk read per image straight into the batch array,
-        labels and boxes from the plain arrays (no per-sample record parsing)."""
+    def read_batch(self, indices: Any, threads: Any = None) -> StoredBatch:
+        """Fixed-shape files: one chunk read per image straight into a fresh block,
+        labels and boxes from the plain arrays (the keys from the records)."""
         self._ensure_open()
         if not self._h_fixed:
-            return None
-        f, n = self._h_f, self.manifest.count
-        self._check_size()
-        if "_h_meta" not in self.__dict__:
-            size = self._h_size  # declared shapes checked against the file before anything is read
-            boxes = _array(f, "boxes", "<f4", (None, 4), size)
-            declared = {"labels": _array(f, "labels", "<i8", (n,), size), "boxes": boxes,
-                        "box_labels": _array(f, "box_labels", "<i8", (len(boxes),), size),
-                        "box_offsets": _array(f, "box_offsets", "<i8", (n + 1,), size)}
-            self._h_meta = Columns.checked({k: d[:] for k, d in declared.items()}, n, str(self.path))
+            return super().read_batch(indices)
         idx = self.check_indices(indices)
+        self._check_size()
+        columns = self._columns()
         d = self._h_images
         out = np.empty((len(idx), *d.shape[1:]), np.uint8)
         for j, i in enumerate(idx.tolist()):
             d.read_direct(out, np.s_[i], np.s_[j])
         keys = [str(self._record(int(i)).get("key", "")) for i in idx]
-        return {"image": out, **self._h_meta.take(idx), "key": keys, "index": idx}
+        labels, boxes, box_labels, counts = columns.take(idx)
+        return StoredBatch(idx, pixels=out, labels=labels, boxes=boxes, counts=counts, box_labels=box_labels,
+                           keys=keys)
+
+    def _columns(self) -> Columns:
+        """The label/box columns, read and checked once (declared shapes against the file first)."""
+        if "_h_meta" not in self.__dict__:
+            f, n, size = self._h_f, self.manifest.count, self._h_size
+            boxes = _array(f, "boxes", "<f4", (None, 4), size)
+            declared = {"labels": _array(f, "labels", "<i8", (n,), size), "boxes": boxes,
+                        "box_labels": _array(f, "box_labels", "<i8", (len(boxes),), size),
+                        "box_offsets": _array(f, "box_offsets", "<i8", (n + 1,), size)}
+            self._h_meta = Columns.checked({k: d[:] for k, d in declared.items()}, n, str(self.path))
+        return self._h_meta
 
     def read_many(self, indices: list[int]) -> list[Sample]:
         self._ensure_open()

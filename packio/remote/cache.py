@@ -21,6 +21,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ from packio.errors import RemoteError
 from packio.manifest import file_digest
 from packio.remote.store import Store
 
-__all__ = ["Cache", "Pin", "default_cache_dir", "parse_size"]
+__all__ = ["Cache", "Pin", "default_cache_dir", "open_cached", "parse_size", "valid"]
 
 log = logging.getLogger("packio")
 MARK, WHOLE, COMPLETE, LOCKS = ".packio-cache", ".whole", ".complete", ".locks"
@@ -98,7 +99,7 @@ class Pin:
     """Keeps one cache entry from eviction (a shared lock) until released."""
 
     def __init__(self, path: Path, fd: int) -> None:
-        self.path, self._fd = path, fd
+        self.path, self._fd, self.pid = path, fd, os.getpid()
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -130,8 +131,12 @@ class Cache:
         host = (u.hostname or "") + (f"_{u.port}" if u.port is not None else "")
         parts = [_safe(u.scheme), _safe(host)] + [_safe(p) for p in u.path.split("/") if p] + [_safe(version)]
         vdir = self.root.joinpath(*parts)
-        vdir.mkdir(parents=True, exist_ok=True)
-        (vdir / MARK).touch()
+        try:
+            vdir.mkdir(parents=True, exist_ok=True)
+            (vdir / MARK).touch()
+        except OSError as exc:
+            raise RemoteError(f"{self.root}: cannot write the download cache there ({exc.strerror}); pass "
+                              f"cache_dir= or set PACKIO_CACHE_DIR to a writable folder") from None
         return vdir
 
     def _lockfile(self, vdir: Path, rel: str, kind: str) -> Path:
@@ -142,10 +147,11 @@ class Cache:
         dest = vdir / rel
         pin = Pin(dest, _lock(self._lockfile(vdir, rel, "pin"), fcntl.LOCK_SH, self.lock_timeout))
         try:
-            if not dest.is_file():
+            if not valid(dest, info[0]):
                 dl = _lock(self._lockfile(vdir, rel, "dl"), fcntl.LOCK_EX, self.lock_timeout)
                 try:
-                    if not dest.is_file():  # nobody fetched it while we waited
+                    if not valid(dest, info[0]):  # nobody fetched it while we waited
+                        _remove(dest)  # a planted link, a truncated or grown file: fetched again
                         self.evict(reserve=info[0] or 0)
                         self._download(store, rel, dest, info)
                 finally:
@@ -163,10 +169,10 @@ class Cache:
         (vdir / WHOLE).touch()
         pin = Pin(vdir, _lock(self._lockfile(vdir, DATASET, "pin"), fcntl.LOCK_SH, self.lock_timeout))
         try:
-            if not (vdir / COMPLETE).is_file():
+            if not self._complete(vdir, files):
                 dl = _lock(self._lockfile(vdir, DATASET, "dl"), fcntl.LOCK_EX, self.lock_timeout)
                 try:
-                    if not (vdir / COMPLETE).is_file():
+                    if not self._complete(vdir, files):
                         self._fill(store, files, vdir, manifest, threads)
                 finally:
                     _unlock(dl)
@@ -176,26 +182,38 @@ class Cache:
             pin.release()
             raise
 
+    @staticmethod
+    def _complete(vdir: Path, files: dict[str, FileInfo]) -> bool:
+        """Filled, and every file still a regular file of its listed size (no links)."""
+        return valid(vdir / COMPLETE, None) and all(valid(vdir / rel, info[0]) for rel, info in files.items())
+
     def _fill(self, store: Store, files: dict[str, FileInfo], vdir: Path, manifest: bytes | None,
               threads: int) -> None:
         total = sum(size or 0 for size, _ in files.values())
         if self.limit is not None and total > self.limit:
-            raise RemoteError(f"{store.url}: this dataset is {total / 1e6:.1f} MB and is cached whole, more than "
+            raise RemoteError(f"{store}: this dataset is {total / 1e6:.1f} MB and is cached whole, more than "
                               f"the cache limit of {self.limit / 1e6:.1f} MB; raise cache_limit")
         self.evict(reserve=total)
 
-        def one(item: tuple[str, FileInfo]) -> None:
+        def one(item: tuple[str, FileInfo]) -> str:
             rel, info = item
             dest = vdir / rel
-            if dest.is_file() and (info[0] is None or dest.stat().st_size == info[0]) and (
-                    info[1] is None or file_digest(dest) == info[1]):
-                return  # left by an earlier, interrupted fill
-            self._download(store, rel, dest, info)
+            if valid(dest, info[0]) and info[1] is not None and file_digest(dest) == info[1]:
+                return ""  # left by an earlier, interrupted fill
+            _remove(dest)
+            try:
+                self._download(store, rel, dest, info)
+            except RemoteError as exc:  # every damaged object is named, not just the first
+                return str(exc)
+            return ""
 
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="packio-fetch") as pool:
-            list(pool.map(one, files.items()))
+            problems = [p for p in pool.map(one, files.items()) if p]
+        if problems:
+            raise RemoteError("\n".join(problems))
         if manifest is not None:
             _write_atomic(vdir / "packio.json", manifest)
+        (vdir / COMPLETE).unlink(missing_ok=True)
         (vdir / COMPLETE).touch()
 
     def _download(self, store: Store, rel: str, dest: Path, info: FileInfo) -> None:
@@ -208,7 +226,7 @@ class Cache:
         for attempt in range(2):  # a second try tells a corrupted transfer from a corrupted object
             part = dest.with_name(f".{dest.name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
-                store.get(rel, part)
+                store.get(rel, part, size)
                 got = part.stat().st_size
                 if size is not None and got != size:
                     problem = f"{got} bytes, the manifest says {size}"
@@ -289,6 +307,40 @@ class Cache:
             log.warning("packio: the cache in %s holds %.1f MB in use, over its limit of %.1f MB; "
                         "the limit should hold at least the shards read at once plus prefetch",
                         self.root, total / 1e6, self.limit / 1e6)
+
+
+def valid(path: Path, size: int | None) -> bool:
+    """A regular file (not a link) of ``size`` bytes (any size when None)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
+
+
+def open_cached(path: Path, size: int | None) -> int | None:
+    """A descriptor of a cached file, opened without following links; None unless it is
+    a regular file of ``size`` bytes (then the caller fetches it again)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size):
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    return None
+
+
+def _remove(path: Path) -> None:
+    if os.path.lexists(path):
+        if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _data_files(vdir: Path) -> Iterator[Path]:

@@ -26,24 +26,25 @@ from typing import Any
 
 import numpy as np
 
-from packio.errors import CorruptSampleError, FormatError, RemoteError
+from packio import limits
+from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, RemoteError, RemoteNotFoundError
 from packio.formats.base import Reader
 from packio.formats.tar import INDEX, TarReader
 from packio.manifest import DIGEST, MANIFEST_NAME, Manifest
-from packio.remote.cache import Cache, FileInfo, Pin
+from packio.remote.cache import Cache, FileInfo, Pin, open_cached
 from packio.remote.store import Retry, Store
-from packio.sample import Sample
+from packio.sample import Sample, checksum
 
 __all__ = ["RemoteTarReader", "open_url"]
 
 log = logging.getLogger("packio")
 SINGLE_FILE = (".h5", ".hdf5")
 _MERGE_GAP = 4096  # read an image and its JSON member as one range when this close
-_PINNED: list[Pin] = []  # datasets cached whole stay pinned while this process lives
 
 
 def open_url(url: str, *, cache_dir: str | Path | None = None, cache_limit: int | str | None = None,
-             storage_options: dict[str, Any] | None = None, prefetch: int = 2, retries: int = 10) -> Reader:
+             storage_options: dict[str, Any] | None = None, prefetch: int = 2, retries: int = 10,
+             timeout: float = 10.0, retry_seconds: float = 30.0) -> Reader:
     """A reader for the packed dataset at ``url`` (any fsspec URL).
 
     ``cache_dir``: where files are cached (default ``$PACKIO_CACHE_DIR`` or
@@ -51,54 +52,97 @@ def open_url(url: str, *, cache_dir: str | Path | None = None, cache_limit: int 
     ``$PACKIO_CACHE_LIMIT``, else unlimited), least recently used entries not in
     use are evicted; ``storage_options``: passed to the fsspec filesystem (never
     stored); ``prefetch``: shards fetched ahead while streaming; ``retries``:
-    attempts per request on transient errors (exponential backoff).
+    attempts per request on transient errors (exponential backoff), all of them within
+    ``retry_seconds``; ``timeout``: seconds to connect, and that a read may stall.
     """
     if cache_limit is None:
         cache_limit = os.environ.get("PACKIO_CACHE_LIMIT") or None
-    retry = Retry(attempts=max(1, int(retries)))
+    retry = Retry(attempts=max(1, int(retries)), timeout=float(timeout), total=float(retry_seconds))
     cache = Cache(cache_dir, cache_limit)
     url = url.rstrip("/")
     parent, _, name = url.rpartition("/")
     if Path(name).suffix.lower() in SINGLE_FILE:
         return _open_single(Store(parent, storage_options, retry), name, cache)
     store = Store(url, storage_options, retry)
-    try:
-        text = store.cat(MANIFEST_NAME)
-    except RemoteError:
-        if not store.exists(MANIFEST_NAME):
-            raise FormatError(f"{url}: no {MANIFEST_NAME} there: not a packed dataset, or its upload did not "
-                              f"finish (the manifest is uploaded last); pack it with 'packio convert SRC {url}'"
-                              ) from None
-        raise
-    manifest = Manifest.from_json(text, store.url_of(MANIFEST_NAME))
-    files = _listing(manifest, url)
-    import xxhash
-
-    vdir = cache.version_dir(url, xxhash.xxh3_128_hexdigest(text)[:16])
+    text, manifest = read_manifest(store)
+    files = _listing(manifest, str(store))
+    data = data_store(store, text)
+    vdir = cache.version_dir(url, version(text))
     if manifest.format == "tar" and "parts" not in manifest.extra:
-        return RemoteTarReader.open(store, cache, vdir, manifest, files, prefetch)
-    _PINNED.append(cache.fetch_all(store, files, vdir, text))
+        return RemoteTarReader.open(data, cache, vdir, manifest, files, prefetch, top=store, version=version(text))
+    _pin(vdir, cache.fetch_all(data, files, vdir, text))
     from packio.formats import open_reader
 
     return open_reader(vdir)
 
 
+def version(text: bytes) -> str:
+    """The name of one upload of a dataset: a digest of its manifest's bytes."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(text)[:16]
+
+
+def read_manifest(store: Store) -> tuple[bytes, Manifest]:
+    """The manifest at ``store`` (bytes, parsed), at most ``limits.MAX_MANIFEST_BYTES``."""
+    try:
+        text = store.read(MANIFEST_NAME, limits.MAX_MANIFEST_BYTES)
+    except RemoteNotFoundError:
+        raise FormatError(f"{store}: no {MANIFEST_NAME} there: not a packed dataset, or its upload did not "
+                          f"finish (the manifest is uploaded last); pack it with 'packio convert SRC {store}'"
+                          ) from None
+    return text, Manifest.from_json(text, store.url_of(MANIFEST_NAME))
+
+
+def data_store(store: Store, text: bytes) -> Store:
+    """Where the files of the upload whose manifest is ``text`` live: under ``v-VERSION/``
+    (how packio uploads, so a replacement never overwrites a file a reader may still
+    read), or beside the manifest (a dataset folder served as it is)."""
+    sub = f"v-{version(text)}"
+    if store.exists(f"{sub}/{MANIFEST_NAME}"):
+        return Store(f"{store.url}/{sub}", store.options, store.retry)
+    return store
+
+
+_PINNED: dict[Path, Pin] = {}  # datasets cached whole stay pinned while this process lives: one pin each
+
+
+def _pin(vdir: Path, pin: Pin) -> None:
+    old = _PINNED.get(vdir)
+    if old is not None and old.pid == os.getpid():
+        pin.release()  # already pinned by this process
+    else:
+        _PINNED[vdir] = pin
+
+
 def _open_single(store: Store, name: str, cache: Cache) -> Reader:
-    """One-file datasets (HDF5): cached whole, versioned by the object's size and ETag."""
+    """One-file datasets (HDF5): cached whole, versioned by the object's identity (size,
+    ETag or version id, modification time), checked against its size when opened."""
     from packio.formats import open_reader
 
-    size = store.size(name)
-    ukey = str(store.call("stat", name, lambda fs, p: fs.ukey(p)))
-    vdir = cache.version_dir(store.url_of(name), re.sub(r"[^A-Za-z0-9]", "", ukey)[:16] or str(size))
-    _PINNED.append(cache.fetch_all(store, {name: (size, None)}, vdir, None, threads=1))
+    info = store.info(name)
+    size = info.get("size")
+    ident = [str(info.get(k)) for k in ("ETag", "etag", "VersionId", "LastModified", "last_modified", "mtime")
+             if info.get(k)]
+    import xxhash
+
+    vdir = cache.version_dir(store.url_of(name), xxhash.xxh3_128_hexdigest(repr((size, ident)).encode())[:16])
+    _pin(vdir, cache.fetch_all(store, {name: (size if isinstance(size, int) else None, None)}, vdir, None,
+                               threads=1))
     return open_reader(vdir / name)
 
 
-def _safe_rel(rel: Any) -> bool:
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
+def _plain(rel: str) -> bool:
+    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
         return False
-    parts = rel.split("/")
-    return all(p and not p.startswith(".") for p in parts) and rel != MANIFEST_NAME
+    return all(p and not p.startswith(".") for p in rel.split("/")) and rel != MANIFEST_NAME
+
+
+def _safe_rel(rel: Any) -> bool:
+    """A plain relative path, also once percent-decoded (``%2e%2e/`` is ``../`` to a server)."""
+    from urllib.parse import unquote
+
+    return isinstance(rel, str) and _plain(rel) and _plain(unquote(rel)) and "%" not in unquote(rel)
 
 
 def _listing(manifest: Manifest, url: str) -> dict[str, FileInfo]:
@@ -186,7 +230,7 @@ class RemoteTarReader(TarReader):
                  index: np.ndarray, prefetch: int = 2) -> None:
         names = manifest.extra.get("shards")
         if not isinstance(names, list) or not all(isinstance(n, str) and n in files for n in names):
-            raise FormatError(f"{store.url}: the manifest's shard list is missing or names unlisted files; "
+            raise FormatError(f"{store}: the manifest's shard list is missing or names unlisted files; "
                               f"re-pack the dataset")
         super().__init__(vdir, manifest, shards=[vdir / n for n in names], index=index)
         sizes = np.asarray([files[n][0] if files[n][0] is not None else -1 for n in names], np.int64)
@@ -195,37 +239,55 @@ class RemoteTarReader(TarReader):
             bad = (index[:, 1] < 0) | (index[:, 2] < 0) | (index[:, 1] + index[:, 2] > end) | (
                 (index[:, 3] >= 0) & (index[:, 3] + index[:, 4] > end)) | (index[:, 4] < 0)
             if bad.any():
-                raise FormatError(f"{store.url}: {INDEX} points past the end of its shards; re-pack the dataset")
+                raise FormatError(f"{store}: {INDEX} points past the end of its shards; re-pack the dataset")
         self.store, self.cache, self.vdir, self.files, self.names = store, cache, vdir, files, names
         self.prefetch = max(0, int(prefetch))
+        self.top, self.version = store, ""  # where the manifest lives, and which upload this is
 
     @classmethod
     def open(cls, store: Store, cache: Cache, vdir: Path, manifest: Manifest, files: dict[str, FileInfo],
-             prefetch: int) -> "RemoteTarReader":
+             prefetch: int, top: Store, version: str) -> "RemoteTarReader":
         if INDEX not in files:
-            raise FormatError(f"{store.url}: the manifest does not list {INDEX}; re-pack the dataset")
+            raise FormatError(f"{store}: the manifest does not list {INDEX}; re-pack the dataset")
         pin = cache.fetch(store, INDEX, vdir, files[INDEX])
         try:
-            index = np.load(vdir / INDEX, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise FormatError(f"{store.url_of(INDEX)}: cannot read it ({exc}); re-pack the dataset") from None
+            index = limits.load_npy(vdir / INDEX, "<i8", (manifest.count, 5))
         finally:
             pin.release()
-        return cls(store, cache, vdir, manifest, files, index, prefetch)
+        reader = cls(store, cache, vdir, manifest, files, index, prefetch)
+        reader.top, reader.version = top, version
+        return reader
 
     def __str__(self) -> str:
-        return self.store.url
+        return str(self.top)
+
+    def replaced(self) -> bool:
+        """Whether the manifest at the URL is no longer the one this reader opened."""
+        try:
+            return version(read_manifest(self.top)[0]) != self.version
+        except FormatError:
+            return True  # gone
+
+    def _check_replaced(self, what: str) -> None:
+        if self.version and self.replaced():
+            raise DatasetReplacedError(f"{self}: the dataset was replaced at this URL while it was being read "
+                                       f"({what}); open it again to read the new one")
 
     def _stored_id(self) -> str:
         """The cache folder is named by this manifest's digest: it holds this dataset and
         no other. (A dataset replaced at the URL shows up as shards failing their checksum.)"""
         return self.manifest.id
 
-    def fetch_all(self) -> Path:
-        """Download (and check) every file of the dataset into the cache; its folder there."""
+    def fetch_all(self) -> list[str]:
+        """Download (and check) every file of the dataset into the cache; one line per
+        file that could not be fetched or failed its check."""
+        problems = []
         for name, info in self.files.items():
-            self.cache.fetch(self.store, name, self.vdir, info).release()
-        return self.vdir
+            try:
+                self.cache.fetch(self.store, name, self.vdir, info).release()
+            except RemoteError as exc:
+                problems.append(f"{name}: {exc}")
+        return problems
 
     # -- per-process handles ----------------------------------------------------------------
 
@@ -283,16 +345,29 @@ class RemoteTarReader(TarReader):
             pin.release()
 
     def _fd(self, shard: int) -> tuple[int, int]:
+        """A cached shard opened without following links, a regular file of the manifest's
+        size; anything else (a link, a truncated file) is fetched again."""
         if shard not in self._h_fds:
-            self._local(shard, fetch=True)
-        return super()._fd(shard)
+            name, size = self.names[shard], self.files[self.names[shard]][0]
+            for _ in range(2):
+                self._local(shard, fetch=True)
+                fd = open_cached(self.vdir / name, size)
+                if fd is not None:
+                    self._h_fds[shard] = (fd, size if size is not None else os.fstat(fd).st_size)
+                    return self._h_fds[shard]
+                with self._h_lock:
+                    self._release(shard)
+                (self.vdir / name).unlink(missing_ok=True)
+            raise RemoteError(f"{self.store.url_of(name)}: its cached copy in {self.vdir} is not a regular file "
+                              f"of {size} bytes after fetching it again; is something else writing there?")
+        return self._h_fds[shard]
 
     def _pread(self, shard: int, off: int, size: int, i: int) -> bytes:
         data = self._h_ranges.get((shard, off, size))
         if data is None:
             return super()._pread(shard, off, size, i)
         if len(data) != size:
-            raise CorruptSampleError(f"#{i}", f"shard {self.store.url_of(self.names[shard])} is truncated")
+            raise CorruptSampleError(f"#{i}", f"a range of {self.store.url_of(self.names[shard])} came back short")
         return data
 
     # -- reading ----------------------------------------------------------------------------
@@ -363,23 +438,40 @@ class RemoteTarReader(TarReader):
             for shard, off, size, at in parts:
                 self._h_ranges[(shard, off, size)] = blob[at:at + size]
 
+    def _checked(self, i: int) -> Sample:
+        """One sample, its payload checked against its record's checksum: a mismatch is
+        a replaced dataset (the manifest at the URL changed) or a corrupt sample."""
+        ranged = any(k[0] == int(self.index[i, 0]) for k in self._h_ranges)
+        try:
+            s = TarReader.read(self, i)
+        except CorruptSampleError:
+            if ranged:
+                self._check_replaced("a range read no longer matches the index")
+            raise
+        if s.checksum and checksum(s.payload) != s.checksum:
+            self._check_replaced("a sample's checksum differs")
+            raise CorruptSampleError(f"#{i}", f"checksum mismatch in {self.store.url_of(self.names[int(self.index[i, 0])])}")
+        return s
+
+    def _read_all(self, idx: list[int]) -> list[Sample]:
+        try:
+            self._fetch_batch(idx)
+            self._stash(idx)
+            return [self._checked(i) for i in idx]
+        except RemoteNotFoundError:
+            self._check_replaced("one of its files is gone")
+            raise
+        finally:
+            self._h_ranges.clear()
+
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()
         self._advance(1)
-        self._stash([i])
-        try:
-            return super().read(i)
-        finally:
-            self._h_ranges.clear()
+        return self._read_all([i])[0]
 
     def read_many(self, indices: list[int]) -> list[Sample]:
         self._ensure_open()
         idx = [self.check_index(i) for i in indices]
         self._advance(len(idx))
-        self._fetch_batch(idx)
-        self._stash(idx)
-        try:
-            return [super(RemoteTarReader, self).read(i) for i in idx]
-        finally:
-            self._h_ranges.clear()
+        return self._read_all(idx)

@@ -1,59 +1,102 @@
-"""The URL layer: one dataset location behind fsspec, with bounded retries.
+"""The URL layer: one dataset location behind fsspec, with bounded waits and retries.
 
 The filesystem object is made lazily in each process (fsspec's async clients are
 not fork-safe: a DataLoader worker must not reuse its parent's), so a ``Store``
-pickles into workers as its URL and options only.
+pickles into workers as its URL and options only. Every wait is bounded: connect
+and read timeouts per request, and all retries of one request together stop after
+``Retry.total`` seconds. Every message names the URL without its credentials or
+query string (:func:`redact`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from packio.errors import RemoteError
+from packio.errors import (RangeNotSupportedError, RemoteAccessError, RemoteError, RemoteNotFoundError,
+                           RemoteTimeoutError, RemoteUnreachableError)
 
-__all__ = ["Retry", "Store"]
+__all__ = ["Retry", "Store", "redact"]
 
 log = logging.getLogger("packio")
 T = TypeVar("T")
 EXTRA = "pip install 'packio[remote]'"
+CHUNK = 4 << 20  # bytes per streamed read
+
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/\s@'\"]*@")
+_QUERY = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s'\"?#]*)[?#][^\s'\"]*")
+
+
+def redact(text: str) -> str:
+    """``text`` with every URL's user name, password, query string and fragment removed
+    (signed URLs carry their tokens in the query)."""
+    return _QUERY.sub(r"\1", _USERINFO.sub(r"\1", str(text)))
 
 
 @dataclass(frozen=True)
 class Retry:
-    """Exponential backoff with jitter: ``attempts`` tries in all, waits of ``base`` ·
-    2^k seconds capped at ``cap`` (the defaults ride out an outage of ~30 s and notice
-    the store is back within ~2 s)."""
+    """Exponential backoff with jitter: at most ``attempts`` tries and ``total`` seconds
+    for one request, tries included; waits of ``base`` · 2^k seconds capped at ``cap``.
+    ``timeout``: seconds to connect, and seconds a read may wait for the next bytes."""
 
     attempts: int = 10
     base: float = 0.25
     cap: float = 2.0
+    total: float = 30.0
+    timeout: float = 10.0
 
     def delay(self, k: int) -> float:
         return min(self.cap, self.base * 2 ** k) * (0.5 + random.random() / 2)
 
 
-def _permanent(exc: BaseException) -> bool:
-    """Errors a retry cannot fix: missing objects, refused credentials, bad requests."""
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                        ValueError, TypeError, NotImplementedError, ImportError)):
-        return True
+def _status(exc: BaseException) -> int | None:
     status = getattr(exc, "status", None) or getattr(exc, "code", None)  # aiohttp / http errors
-    return isinstance(status, int) and 400 <= status < 500 and status not in (408, 429)
+    if not isinstance(status, int):
+        status = getattr(exc, "response", {}).get("Error", {}).get("Code") if isinstance(
+            getattr(exc, "response", None), dict) else None
+        status = int(status) if isinstance(status, str) and status.isdigit() else None
+    return status
 
 
-def _defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """s3: botocore's own retries kept short (this module retries with backoff), unless
-    the user set them (``config_kwargs``, ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE``)."""
+def _kind(exc: BaseException) -> str:
+    """``timeout``, ``unreachable``, ``range``, ``permanent`` or ``transient``."""
+    name = type(exc).__name__
+    text = str(exc)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) or "Timeout" in name:
+        return "timeout"
+    if "support range" in text:
+        return "range"
+    if "Connect" in name or isinstance(exc, ConnectionRefusedError) or "Cannot connect" in text:
+        return "unreachable"
+    if isinstance(exc, (IsADirectoryError, NotADirectoryError, ValueError, TypeError, NotImplementedError,
+                        ImportError)):
+        return "permanent"
+    status = _status(exc)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+        return "permanent"
+    return "transient"
+
+
+def _defaults(url: str, options: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Connect and read timeouts for the clients packio knows (unless the user set
+    them); s3: botocore's own retries kept short (this module retries with backoff)."""
+    if url.startswith(("http://", "https://")) and "client_kwargs" not in options:
+        import aiohttp
+
+        t = aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout, sock_read=timeout)
+        return {**options, "client_kwargs": {"timeout": t}}
     if not url.startswith(("s3://", "s3a://")) or "config_kwargs" in options or \
             "AWS_MAX_ATTEMPTS" in os.environ or "AWS_RETRY_MODE" in os.environ:
         return options
-    return {**options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 10}}
+    return {**options, "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"},
+                                         "connect_timeout": timeout, "read_timeout": timeout}}
 
 
 class Store:
@@ -68,32 +111,39 @@ class Store:
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _fs=None)
 
+    def __str__(self) -> str:
+        return redact(self.url)
+
     def _client(self) -> tuple[Any, str]:
         if self._fs is None or self._fs[0] != os.getpid():
             try:
                 import fsspec
             except ImportError:
-                raise RemoteError(f"{self.url}: remote datasets need the remote extra: {EXTRA}") from None
+                raise RemoteError(f"{self}: remote datasets need the remote extra: {EXTRA}") from None
             try:
-                fs, root = fsspec.core.url_to_fs(self.url, **_defaults(self.url, self.options))
+                opts = _defaults(self.url, self.options, self.retry.timeout)
+                # skip_instance_cache: a client made before a fork holds the parent's event loop
+                fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **opts)
             except ImportError as exc:  # e.g. "Install s3fs to access S3"
-                raise RemoteError(f"{self.url}: no client for this URL scheme ({exc}); {EXTRA}") from None
+                raise RemoteError(f"{self}: no client for this URL scheme ({redact(exc)}); {EXTRA}") from None
             except ValueError as exc:
-                raise RemoteError(f"{self.url}: not a URL fsspec can open ({exc})") from None
+                raise RemoteError(f"{self}: not a URL fsspec can open ({redact(exc)})") from None
             self._fs = (os.getpid(), fs, root.rstrip("/"))
         return self._fs[1], self._fs[2]
 
     def url_of(self, rel: str) -> str:
-        return f"{self.url}/{rel}" if rel else self.url
+        """The URL of ``rel``, for messages: without credentials or query string."""
+        return redact(f"{self.url}/{rel}" if rel else self.url)
 
     def _path(self, rel: str) -> str:
         root = self._client()[1]
         return f"{root}/{rel}" if rel else root
 
     def call(self, what: str, rel: str, fn: Callable[[Any, str], T]) -> T:
-        """``fn(fs, path)`` with retries on transient errors; failures become a
-        ``RemoteError`` that names the URL."""
+        """``fn(fs, path)`` with retries on transient errors, all within ``retry.total``
+        seconds; failures become a ``RemoteError`` (a subclass per cause) naming the URL."""
         url = self.url_of(rel)
+        deadline = time.monotonic() + self.retry.total
         for k in range(self.retry.attempts):
             try:
                 fs, _ = self._client()
@@ -101,49 +151,118 @@ class Store:
             except RemoteError:
                 raise
             except FileNotFoundError as exc:
-                raise RemoteError(f"{url}: not found (deleted, or never uploaded?)"
-                                  + ("" if rel else f" ({exc})")) from None
-            except PermissionError as exc:
-                raise RemoteError(f"{url}: access denied ({exc}); check the credentials in your environment "
-                                  f"(AWS_* variables, ~/.aws/credentials, ...)") from None
+                cause = exc.__cause__  # fsspec's http client turns every failure into this
+                if cause is not None and _kind(cause) in ("unreachable", "timeout"):
+                    self._retry_or_raise(what, url, cause, k, deadline)
+                    continue
+                bucket = "bucket" in str(exc).lower()
+                raise RemoteNotFoundError(
+                    f"{url}: {'the bucket does not exist; create it first' if bucket else 'not found'}"
+                    f"{'' if bucket else ' (deleted, or never uploaded?)'}") from None
+            except PermissionError:
+                raise RemoteAccessError(f"{url}: access denied; check the credentials in your environment "
+                                        f"(AWS_* variables, ~/.aws/credentials, ...) and the permissions") from None
             except Exception as exc:  # clients raise many unrelated types; classify, then retry or stop
-                if _permanent(exc) or k == self.retry.attempts - 1:
-                    tries = "" if _permanent(exc) else f" after {self.retry.attempts} tries"
-                    raise RemoteError(f"{url}: {what} failed{tries} ({type(exc).__name__}: "
-                                      f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-                wait = self.retry.delay(k)
-                log.warning("packio: %s %s failed (%s); retrying in %.1f s", what, url, type(exc).__name__, wait)
-                time.sleep(wait)
+                self._retry_or_raise(what, url, exc, k, deadline)
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def cat(self, rel: str) -> bytes:
-        """A whole (small) object in one request (``start=0``: s3fs asks for the size first otherwise)."""
-        return self.call("read", rel, lambda fs, p: fs.cat_file(p, start=0))
+    def _retry_or_raise(self, what: str, url: str, exc: BaseException, k: int, deadline: float) -> None:
+        """Wait before try ``k + 2``, or raise when the error is permanent or time is up."""
+        kind, wait = _kind(exc), self.retry.delay(k)
+        last = k == self.retry.attempts - 1 or time.monotonic() + wait > deadline
+        if kind in ("permanent", "range") or last:
+            raise _error(kind, what, url, exc, k + 1) from None
+        log.warning("packio: %s %s failed (%s); retrying in %.1f s", what, url, type(exc).__name__, wait)
+        time.sleep(wait)
+
+    def read(self, rel: str, limit: int) -> bytes:
+        """A whole (small) object, at most ``limit`` bytes (else a ``RemoteError``)."""
+        return self.call("read", rel, lambda fs, p: _read(fs, p, limit, self.url_of(rel)))
 
     def cat_ranges(self, rel: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
-        """Byte ranges ``[start, end)``, fetched concurrently where the client can."""
+        """Byte ranges ``[start, end)``, fetched concurrently where the client can; a
+        server that ignores ``Range`` is a ``RangeNotSupportedError``."""
         if not rel:
             return []
         where = rel[0] if len(set(rel)) == 1 else ""
-        return self.call("range read", where,
-                         lambda fs, _: fs.cat_ranges([self._path(r) for r in rel], starts, ends, on_error="raise"))
+        out = self.call("range read", where,
+                        lambda fs, _: fs.cat_ranges([self._path(r) for r in rel], starts, ends, on_error="raise"))
+        for r, a, b, blob in zip(rel, starts, ends, out):
+            if len(blob) != b - a:
+                raise RangeNotSupportedError(f"{self.url_of(r)}: asked for {b - a} bytes at {a}, got {len(blob)}: "
+                                             f"the server does not honour byte ranges; serve the dataset from a "
+                                             f"server that does, or read it as a stream (iterable=True)")
+        return out
 
-    def get(self, rel: str, local: Path) -> None:
-        """Download ``rel`` to ``local`` (streamed; a retry starts the file over)."""
-        self.call("download", rel, lambda fs, p: fs.get_file(p, str(local)))
+    def get(self, rel: str, local: Path, limit: int | None) -> None:
+        """Download ``rel`` to ``local``, streamed, at most ``limit`` bytes (a retry starts over)."""
+        self.call("download", rel, lambda fs, p: _download(fs, p, local, limit, self.url_of(rel)))
 
     def put(self, local: Path, rel: str) -> None:
         """Upload a file (the client uses multipart uploads for large files where the store has them)."""
         self.call("upload", rel, lambda fs, p: fs.put_file(str(local), p))
 
-    def put_bytes(self, data: bytes, rel: str) -> None:
-        self.call("upload", rel, lambda fs, p: fs.pipe_file(p, data))
+    def put_bytes(self, data: bytes, rel: str, create: bool = False) -> None:
+        """Upload ``data``; ``create``: only if no object is there (S3 ``If-None-Match``)."""
+        kw = {"mode": "create"} if create else {}
+        self.call("upload", rel, lambda fs, p: fs.pipe_file(p, data, **kw))
 
     def exists(self, rel: str) -> bool:
         return self.call("stat", rel, lambda fs, p: fs.exists(p))
 
-    def size(self, rel: str) -> int:
-        return int(self.call("stat", rel, lambda fs, p: fs.size(p)))
+    def info(self, rel: str) -> dict[str, Any]:
+        return self.call("stat", rel, lambda fs, p: fs.info(p))
 
     def delete(self, rel: str) -> None:
         self.call("delete", rel, lambda fs, p: fs.rm_file(p))
+
+    def listing(self, rel: str) -> list[str]:
+        """Paths below ``rel`` (recursive), relative to this store's URL."""
+        root = self._client()[1]
+        found = self.call("list", rel, lambda fs, p: fs.find(p))
+        return [f[len(root) + 1:] for f in found if f.startswith(root + "/")]
+
+
+def _error(kind: str, what: str, url: str, exc: BaseException, tries: int) -> RemoteError:
+    after = f" after {tries} tries" if tries > 1 else ""
+    detail = redact(str(exc).splitlines()[0]) if str(exc) else ""
+    if kind == "timeout":
+        return RemoteTimeoutError(f"{url}: {what} timed out{after}: the server stopped answering; "
+                                  f"retry later, or raise timeout= / retries=")
+    if kind == "unreachable":
+        return RemoteUnreachableError(f"{url}: {what} failed{after}: cannot connect to the server "
+                                      f"({type(exc).__name__}); check the host and port, and that it is up")
+    if kind == "range":
+        return RangeNotSupportedError(f"{url}: the server does not honour byte ranges; serve the dataset from a "
+                                      f"server that does")
+    if _status(exc) in (401, 403):
+        return RemoteAccessError(f"{url}: access denied (HTTP {_status(exc)}); check the credentials")
+    return RemoteError(f"{url}: {what} failed{after} ({type(exc).__name__}: {detail})")
+
+
+def _read(fs: Any, path: str, limit: int, url: str) -> bytes:
+    chunks, total = [], 0
+    with fs.open(path, "rb", cache_type="none") as f:
+        while total <= limit:
+            b = f.read(min(CHUNK, limit + 1 - total))
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+            total += len(b)
+    raise RemoteError(f"{url}: larger than packio's limit of {limit} bytes for this file; not a packio "
+                      f"dataset, or raise the limit in packio.limits")
+
+
+def _download(fs: Any, path: str, local: Path, limit: int | None, url: str) -> None:
+    total = 0
+    kw = {} if limit is None else {"size": limit}  # no HEAD request: the manifest gave the size
+    with fs.open(path, "rb", cache_type="none", **kw) as f, open(local, "wb") as out:
+        while True:
+            b = f.read(CHUNK if limit is None else min(CHUNK, limit + 1 - total))
+            if not b:
+                return
+            out.write(b)
+            total += len(b)
+            if limit is not None and total > limit:
+                raise RemoteError(f"{url}: the server sent more than the manifest's {limit} bytes; the object "
+                                  f"was replaced or the server is broken")

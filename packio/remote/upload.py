@@ -1,120 +1,172 @@
-"""``convert(src, "s3://bucket/ds.tar")``: pack into a local temporary folder and
-upload. Tar shards go up while the conversion runs (a shard is complete once the
-writer has started the next one); everything else after it; the manifest last,
-so a killed conversion leaves nothing that opens as a dataset.
+"""``convert(src, "s3://bucket/ds.tar")``: pack into a local staging folder, then upload.
+
+An upload never overwrites an object a reader may be reading: the files go under
+``URL/v-VERSION/`` (``VERSION``: a digest of the new manifest), then the manifest at
+``URL/packio.json`` is replaced (one object: atomic), and only then are the old
+upload's objects deleted. A failed conversion leaves the old dataset as it was. A
+lock object ``URL/.packio-lock`` (created only if absent, else a lease with an owner
+and an expiry) makes a second conversion to the same URL fail at once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 import tempfile
 import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from packio.errors import OutputExistsError, PackioError, RemoteError
-from packio.manifest import DIGEST, MANIFEST_NAME, file_digest
-from packio.remote.reader import SINGLE_FILE
+from packio.errors import OutputBusyError, OutputExistsError, RemoteError
+from packio.manifest import MANIFEST_NAME
+from packio.remote.reader import SINGLE_FILE, version
 from packio.remote.store import Store
 
-__all__ = ["convert_to_url"]
+__all__ = ["convert_to_url", "clean_staging"]
 
 log = logging.getLogger("packio")
+LOCK, STAGING = ".packio-lock", "packio-upload-"
+LEASE = 300.0  # seconds a lock lasts unless its owner renews it (a killed conversion's lock expires)
 
 
-class _ShardUploader(threading.Thread):
-    """Watches the converter's temporary output and uploads each finished shard."""
+def clean_staging(root: str | Path | None = None) -> int:
+    """Remove staging folders of conversions whose process is gone; how many."""
+    n = 0
+    for d in Path(root or tempfile.gettempdir()).glob(f"{STAGING}*-*"):
+        pid = d.name[len(STAGING):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)) and d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+            n += 1
+    return n
 
-    def __init__(self, store: Store, local: Path, poll: float = 0.2) -> None:
-        super().__init__(name="packio-upload", daemon=True)
-        self.store, self.local, self.poll = store, local, poll
-        self.done: dict[str, str] = {}  # relpath -> xxh3_128 of what was uploaded
-        self.error: BaseException | None = None
-        self._halt = threading.Event()
 
-    def _finished(self) -> list[Path]:
-        from packio.converter import TMP_MARK
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
-        for tmp in self.local.parent.glob(f".{self.local.name}{TMP_MARK}*"):
+
+class _Lock:
+    """The lock object of one output URL, renewed by a thread while held."""
+
+    def __init__(self, store: Store, rel: str) -> None:
+        self.store, self.rel, self.owner = store, rel, f"{os.getpid()}-{uuid.uuid4().hex}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="packio-lease", daemon=True)
+
+    def _body(self) -> bytes:
+        return json.dumps({"owner": self.owner, "expires": time.time() + LEASE}).encode()
+
+    def acquire(self) -> None:
+        for _ in range(2):
+            if self.store.exists(self.rel) and not self._expired():  # for stores without If-None-Match
+                raise self._busy()
             try:
-                shards = sorted((p for p in tmp.glob("*.tar") if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
-            except OSError:  # renamed into place meanwhile
-                return []
-            return [s for s in shards[:-1] if s.name not in self.done]  # the newest one may still grow
-        return []
+                self.store.put_bytes(self._body(), self.rel, create=True)
+            except RemoteError:  # 412: there is one; take it over only once it has expired
+                if not self._expired():
+                    raise self._busy() from None
+                self.store.delete(self.rel)
+                continue
+            held = json.loads(self.store.read(self.rel, 1 << 16))  # a store without If-None-Match: last writer
+            if held.get("owner") != self.owner:
+                raise self._busy()
+            self._thread.start()
+            return
+        raise self._busy()
 
-    def run(self) -> None:
+    def _expired(self) -> bool:
         try:
-            while not self._halt.wait(self.poll):
-                for shard in self._finished():
-                    try:
-                        digest = file_digest(shard)
-                        self.store.put(shard, shard.name)
-                    except (OSError, RemoteError):
-                        if shard.exists():
-                            raise
-                        break  # the finished output was renamed into place: the final pass takes over
-                    self.done[shard.name] = digest
-        except BaseException as exc:  # reported by finish(); the final pass uploads what is left
-            self.error = exc
+            held = json.loads(self.store.read(self.rel, 1 << 16))
+            return float(held.get("expires", 0)) < time.time()
+        except (RemoteError, ValueError, AttributeError):
+            return False
 
-    def finish(self) -> dict[str, str]:
-        self._halt.set()
-        self.join()
-        if self.error is not None:
-            log.warning("packio: uploading shards during the conversion failed (%s); uploading them now",
-                        self.error)
-        return self.done
+    def _busy(self) -> OutputBusyError:
+        return OutputBusyError(f"{self.store.url_of(self.rel)}: another conversion is writing to this URL; wait "
+                               f"for it, or if none runs (one was killed), delete this object or wait "
+                               f"{LEASE:.0f} s for its lease to expire")
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE / 3):
+            try:
+                self.store.put_bytes(self._body(), self.rel)
+            except RemoteError as exc:
+                log.warning("packio: could not renew the lock %s (%s)", self.store.url_of(self.rel), exc)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        _try_delete(self.store, self.rel)
 
 
-def convert_to_url(convert: Callable[..., Any], src: str | Path, dst: str, *, overwrite: bool = False,
+def convert_to_url(convert: Callable[..., Any], src: str | Path, dst: str, *args: Any, overwrite: bool = False,
                    storage_options: dict[str, Any] | None = None, tmp_dir: str | Path | None = None,
                    **kwargs: Any) -> Any:
-    """Run ``convert(src, LOCAL, **kwargs)`` into a temporary folder (under ``tmp_dir``,
-    default the system's) and upload the result to ``dst``; returns its Summary.
-
-    With ``overwrite`` the old dataset's manifest is deleted first: it stops opening
-    before any of its objects is replaced, and its files that the new dataset lacks
-    are deleted at the end."""
+    """Run ``convert(src, LOCAL, **kwargs)`` into a staging folder (under ``tmp_dir``,
+    default the system's) and upload the result to ``dst``; returns its Summary."""
     t0 = time.perf_counter()
     dst = dst.rstrip("/")
     parent, _, name = dst.rpartition("/")
     single = Path(name).suffix.lower() in SINGLE_FILE
     store = Store(parent if single else dst, storage_options)
-    marker = name if single else MANIFEST_NAME
-    old: set[str] = set()
-    if store.exists(marker):
-        if not overwrite:
-            raise OutputExistsError(f"{dst} exists; pass --overwrite to replace it, or choose another name")
-        if not single:
-            old = _old_files(store)
-            store.delete(MANIFEST_NAME)
-    with tempfile.TemporaryDirectory(prefix="packio-upload-", dir=tmp_dir) as tmp:
-        local = Path(tmp) / name
-        uploader = None if single else _ShardUploader(store, local)
-        if uploader is not None:
-            uploader.start()
-        try:
-            summary = convert(src, local, **kwargs)
-        except BaseException:
-            for rel in uploader.finish() if uploader is not None else {}:
-                _try_delete(store, rel)  # nothing of a failed conversion stays behind
-            raise
-        if single:
-            store.put(local, name)  # one object: it appears whole or not at all
-        else:
-            files = _manifest_files(local)
-            done = uploader.finish() if uploader is not None else {}
-            for rel, meta in files.items():
-                if done.get(rel) != meta.get(DIGEST):
-                    store.put(local / rel, rel)
-            store.put(local / MANIFEST_NAME, MANIFEST_NAME)  # last: now it opens
-            for rel in sorted(old - set(files)):
-                _try_delete(store, rel)
-    summary.output = dst
+    clean_staging(tmp_dir)
+    lock = _Lock(store, f"{name}{LOCK}" if single else LOCK)
+    lock.acquire()
+    try:
+        if store.exists(name if single else MANIFEST_NAME) and not overwrite:
+            raise OutputExistsError(f"{store.url_of(name if single else '')} exists; pass --overwrite to replace "
+                                    f"it, or choose another name")
+        with tempfile.TemporaryDirectory(prefix=f"{STAGING}{os.getpid()}-", dir=tmp_dir) as tmp:
+            local = Path(tmp) / name
+            summary = convert(src, local, *args, **kwargs)
+            if single:
+                store.put(local, name)  # one object: it appears whole or not at all
+            else:
+                _upload(store, local)
+    finally:
+        lock.release()
+    summary.output = store.url_of(name) if single else str(store)
     summary.seconds = time.perf_counter() - t0  # packing and uploading
     return summary
+
+
+def _upload(store: Store, local: Path) -> None:
+    """Files under ``v-VERSION/``, then the manifest (the switch), then the old objects go."""
+    text = (local / MANIFEST_NAME).read_bytes()
+    sub = f"v-{version(text)}"
+    files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    rels = [r for r in files if r != MANIFEST_NAME] + [MANIFEST_NAME]
+    try:
+        with ThreadPoolExecutor(8, thread_name_prefix="packio-upload") as pool:
+            list(pool.map(lambda r: store.put(local / r, f"{sub}/{r}"), rels[:-1]))
+        store.put(local / MANIFEST_NAME, f"{sub}/{MANIFEST_NAME}")  # marks the upload complete
+        old = set(store.listing(""))
+        store.put_bytes(text, MANIFEST_NAME)  # the switch: now the new dataset opens
+    except BaseException:
+        for rel in _quiet_listing(store, sub):
+            _try_delete(store, rel)  # nothing of a failed upload stays; the old dataset is untouched
+        raise
+    for rel in sorted(old):
+        if not rel.startswith(f"{sub}/") and rel not in (MANIFEST_NAME, LOCK):
+            _try_delete(store, rel)
+
+
+def _quiet_listing(store: Store, rel: str) -> list[str]:
+    try:
+        return store.listing(rel)
+    except RemoteError:
+        return []
 
 
 def _try_delete(store: Store, rel: str) -> None:
@@ -122,20 +174,3 @@ def _try_delete(store: Store, rel: str) -> None:
         store.delete(rel)
     except RemoteError as exc:
         log.warning("packio: could not delete %s (%s)", store.url_of(rel), exc)
-
-
-def _manifest_files(local: Path) -> dict[str, dict[str, Any]]:
-    from packio.manifest import Manifest
-
-    return Manifest.from_json((local / MANIFEST_NAME).read_bytes(), str(local / MANIFEST_NAME)).files
-
-
-def _old_files(store: Store) -> set[str]:
-    """Files of the dataset being replaced (from its manifest)."""
-    from packio.manifest import Manifest
-
-    try:
-        m = Manifest.from_json(store.cat(MANIFEST_NAME), store.url_of(MANIFEST_NAME))
-    except PackioError:
-        return set()
-    return {rel for rel in m.files if isinstance(rel, str)}

@@ -1,8 +1,8 @@
 """Streaming from object storage and HTTP vs local disk, and the S3 client choice.
 
-    python tools/bench_remote.py                 # 1,000 generated JPEGs, W1, 2 rounds
-    python tools/bench_remote.py --n 10000 --rounds 3
-    python tools/bench_remote.py --clients-only  # s3fs vs obstore on the local S3 server
+    python benchmarks/remote.py                 # 1,000 generated JPEGs, W1, 2 rounds
+    python benchmarks/remote.py --n 10000 --rounds 3
+    python benchmarks/remote.py --clients-only  # s3fs vs obstore on the local S3 server
 
 Self-contained: generates photo-like JPEGs (packio.bench.synth), packs them into tar
 shards on local disk, uploads them to a SeaweedFS S3 server it starts on 127.0.0.1
@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, fresh, median, parser, table  # noqa: E402
 
 BATCH, SIZE, WORKERS = 64, 224, 2
 
@@ -53,14 +53,6 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     t_end = time.perf_counter()
     return {"samples": n, "first_batch_s": t_first - t0, "rate": n / (t_end - t0),
             "rate_after_first": (n - n_first) / (t_end - t_first)}
-
-
-def run_child(cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
-                       timeout=900, env={**os.environ, **env, "PYTHONWARNINGS": "ignore"})
-    if r.returncode != 0:
-        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def clients(server: Any, work: Path, mb: int = 64) -> list[str]:
@@ -117,8 +109,12 @@ def clients(server: Any, work: Path, mb: int = 64) -> list[str]:
                     best(lambda: asyncio.run(obs_ranges())),
                     best(lambda: [bytes(obstore.get(st, "small").bytes()) for _ in range(50)]) / 50],
     }
-    assert dst.read_bytes() == data
-    fork = {name: _fork_check(name) for name in ("s3fs", "obstore")}
+    if dst.read_bytes() != data:
+        raise SystemExit("obstore download differs from the upload")
+    return _clients_table(res, {name: _fork_check(name) for name in ("s3fs", "obstore")}, mb)
+
+
+def _clients_table(res: dict[str, list[float]], fork: dict[str, str], mb: int) -> list[str]:
     mib = mb * 1.048576
     lines = ["| operation (local SeaweedFS) | s3fs | obstore |", "|---|---|---|"]
     lines.append(f"| upload {mb} MiB (MB/s) | {mib / res['s3fs'][0]:.0f} | {mib / res['obstore'][0]:.0f} |")
@@ -157,12 +153,60 @@ def _fork_check(name: str) -> str:
     return (r.stdout.strip() or "fails").splitlines()[-1]
 
 
+def _pack(a: Any, work: Path, server: Any) -> tuple[Path, int]:
+    """Generated JPEGs packed into tar shards on local disk, then re-packed to S3."""
+    import packio
+    from packio.bench.synth import make_photo_folder
+
+    t = time.perf_counter()
+    src, _ = make_photo_folder(work / "images", a.n, with_csv=False)
+    print(f"generated {a.n} JPEGs in {time.perf_counter() - t:.1f} s", flush=True)
+    local = work / "www" / "ds.wds"
+    local.parent.mkdir(exist_ok=True)
+    shutil.rmtree(local, ignore_errors=True)
+    packio.convert(src, local, shard_samples=a.shard_samples, workers=2, progress=False)
+    server.make_bucket("bench")
+    t = time.perf_counter()
+    packio.convert(local, "s3://bench/ds.wds", shard_samples=a.shard_samples, progress=False, overwrite=True)
+    size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
+    print(f"packed {size / 1e6:.0f} MB in {len(list(local.glob('*.tar')))} shards; re-packed to S3 in "
+          f"{time.perf_counter() - t:.1f} s", flush=True)
+    return local, size
+
+
+def _measure(sources: dict[str, str], rounds: int, work: Path, env: dict[str, str]) -> dict[str, list[dict]]:
+    """Every source each round (order reversed every other round), remote ones cold then warm."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for r in range(rounds):
+        order = list(sources.items())
+        for k, (label, path) in enumerate(order if r % 2 == 0 else order[::-1]):
+            cache = work / f"cache-{r}-{k}"
+            shutil.rmtree(cache, ignore_errors=True)
+            for state in ("-",) if label == "local disk" else ("cold", "warm"):
+                res = fresh(__file__, {"path": path, "cache": str(cache)}, env, timeout=900)
+                results.setdefault(f"{label}|{state}", []).append(res)
+                print(f"round {r + 1}/{rounds}: {label} {state}: {res}", flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
+    return results
+
+
+def _report(results: dict[str, list[dict]], a: Any, local: Path, size: int) -> None:
+    def med(key: str, field: str) -> float:
+        return median(x[field] for x in results[key] if "error" not in x)
+
+    base = med("local disk|-", "rate_after_first")
+    rows = [(*key.split("|"), f"{med(key, 'first_batch_s'):.2f}", f"{med(key, 'rate'):.0f}",
+             f"{med(key, 'rate_after_first'):.0f}", f"{med(key, 'rate_after_first') / base:.2f}") for key in results]
+    table(("source", "packio cache", "first batch s", "samples/s (epoch)", "samples/s after first batch", "× local"),
+          rows, f"W1 (decode + resize {SIZE}, batch {BATCH}, {WORKERS} workers, shuffle), {a.n} images, "
+                f"{size / 1e6:.0f} MB in {len(list(local.glob('*.tar')))} shards; median of {a.rounds} rounds")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], rounds=2)
     p.add_argument("--n", type=int, default=1000, help="generated images (default 1000)")
     p.add_argument("--shard-samples", type=int, default=125,
                    help="samples per shard (default 125, ~14 MB; the shuffle window spans 8 shards)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
     p.add_argument("--work", default=None, help="working folder (default: a temporary one, removed after)")
     p.add_argument("--clients-only", action="store_true", help="only compare the S3 clients")
     p.add_argument("--no-clients", action="store_true", help="skip the S3 client comparison")
@@ -171,75 +215,27 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps(child(json.loads(a.child))))
         return 0
-
-    from packio.remote.servers import SeaweedS3
+    sys.path.insert(0, str(ROOT / "tests"))  # the test servers live with the tests
+    from servers import SeaweedS3
 
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="packio-bench-remote-"))
     work.mkdir(parents=True, exist_ok=True)
-    server = SeaweedS3(work / "seaweedfs")
-    http = None
+    server, http = SeaweedS3(work / "seaweedfs"), None
     try:
         t = time.perf_counter()
         server.start()
         os.environ.update(server.env())
         print(f"SeaweedFS S3 on {server.endpoint} (up in {time.perf_counter() - t:.1f} s)", flush=True)
-        out: list[str] = []
         if not a.no_clients:
-            out += clients(server, work)
-            print("\n".join(out), flush=True)
+            print("\n".join(clients(server, work)), flush=True)
         if a.clients_only:
             return 0
-        import packio
-        from packio.bench.synth import make_photo_folder
-
-        t = time.perf_counter()
-        src, _ = make_photo_folder(work / "images", a.n, with_csv=False)
-        print(f"generated {a.n} JPEGs in {time.perf_counter() - t:.1f} s", flush=True)
-        shard = a.shard_samples
-        www = work / "www"
-        www.mkdir(exist_ok=True)
-        local = www / "ds.wds"
-        if local.exists():
-            shutil.rmtree(local)
-        packio.convert(src, local, shard_samples=shard, workers=2, progress=False)
-        server.make_bucket("bench")
-        t = time.perf_counter()
-        packio.convert(local, "s3://bench/ds.wds", shard_samples=shard, progress=False, overwrite=True)
-        size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
-        print(f"packed {size / 1e6:.0f} MB in {len(list(local.glob('*.tar')))} shards; re-packed to S3 in "
-              f"{time.perf_counter() - t:.1f} s", flush=True)
-        http = subprocess.Popen([sys.executable, "-m", "packio.remote.servers", "http", str(www)],
+        local, size = _pack(a, work, server)
+        http = subprocess.Popen([sys.executable, str(ROOT / "tests" / "servers.py"), "http", str(local.parent)],
                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        http_url = http.stdout.readline().strip()
-        sources = {"local disk": str(local), "S3 (SeaweedFS)": "s3://bench/ds.wds", "HTTP": f"{http_url}/ds.wds"}
-        results: dict[str, list[dict[str, Any]]] = {}
-        for r in range(a.rounds):
-            order = list(sources.items())
-            for k, (label, path) in enumerate(order if r % 2 == 0 else order[::-1]):  # a load trend cancels out
-                cache = work / f"cache-{r}-{k}"
-                shutil.rmtree(cache, ignore_errors=True)
-                for state in ("-",) if label == "local disk" else ("cold", "warm"):
-                    res = run_child({"path": path, "cache": str(cache)}, server.env())
-                    key = f"{label}|{state}"
-                    results.setdefault(key, []).append(res)
-                    print(f"round {r + 1}: {key}: {res}", flush=True)
-                shutil.rmtree(cache, ignore_errors=True)
-
-        def med(key: str, field: str) -> float:
-            vals = [x[field] for x in results[key] if "error" not in x]
-            return statistics.median(vals) if vals else float("nan")
-
-        base = med("local disk|-", "rate_after_first")
-        out += ["", f"W1 (decode + resize {SIZE}, batch {BATCH}, {WORKERS} workers, shuffle), {a.n} images, "
-                    f"{size / 1e6:.0f} MB in {len(list(local.glob('*.tar')))} shards; median of {a.rounds} rounds",
-                "", "| source | packio cache | first batch s | samples/s (epoch) | samples/s after first batch "
-                    "| × local |", "|---|---|---|---|---|---|"]
-        for key in results:
-            label, state = key.split("|")
-            out.append(f"| {label} | {state} | "
-                       f"{med(key, 'first_batch_s'):.2f} | {med(key, 'rate'):.0f} | "
-                       f"{med(key, 'rate_after_first'):.0f} | {med(key, 'rate_after_first') / base:.2f} |")
-        print("\n" + "\n".join(out))
+        url = http.stdout.readline().strip()
+        sources = {"local disk": str(local), "S3 (SeaweedFS)": "s3://bench/ds.wds", "HTTP": f"{url}/ds.wds"}
+        _report(_measure(sources, a.rounds, work, server.env()), a, local, size)
         return 0
     finally:
         if http is not None:

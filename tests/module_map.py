@@ -1,8 +1,8 @@
 """The module map of packio: every module under packio/, its line count, and the packio
 modules it imports (anywhere in the file, lazy imports inside functions included).
 
-    python tools/module_map.py [ROOT]     # ROOT: a checkout (default: this one)
-    python tools/module_map.py --cycles   # also list import cycles among top-level imports
+    python tests/module_map.py [ROOT]     # ROOT: a checkout (default: this one)
+    python tests/module_map.py --cycles   # also list import cycles among top-level imports
 
 One line per module: ``path lines: imported modules``. ``from packio import x`` counts
 as importing ``packio.x`` when ``x`` is a module, else ``packio``.

@@ -1,7 +1,8 @@
 """Measure every GPU path of packio.cuda and check it against the targets.
 
-    python tools/gpu_check.py                 # on a CUDA machine (fails without CUDA or a GPU decode backend)
-    python tools/gpu_check.py --allow-cpu     # run the CPU-runnable parts here; GPU figures "not measured"
+    python benchmarks/gpu.py                 # on a CUDA machine (fails without CUDA or a GPU decode backend)
+    python benchmarks/gpu.py --allow-cpu     # run the CPU-runnable parts here; GPU figures "not measured"
+    python benchmarks/gpu.py --sweep         # only: decode backends and nvImageCodec's hardware share, alternating rounds
 
 Installs nothing (``make gpu-check`` installs the ``gpu`` extra first). Prints:
 batched decode img/s per GPU backend and for the CPU decoder (all cores, warmed
@@ -30,6 +31,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import interleaved, median, table  # noqa: E402
 
 TARGETS = (("batched decode (best backend)", ">= 10,000 img/s"),
            ("decode + resize 224 + normalise", ">= 8,000 img/s"),
@@ -96,7 +99,7 @@ def resnet50() -> tuple[nn.Module, str]:
 
         return tv_resnet50(num_classes=1000), "torchvision resnet50"
     except ImportError:
-        return resnet50_local(1000), "ResNet-50 defined in gpu_check.py (torchvision absent)"
+        return resnet50_local(1000), "ResNet-50 defined in benchmarks/gpu.py (torchvision absent)"
 
 
 def cpu_decode_rate(blobs: list[bytes], threads: int) -> float:
@@ -151,8 +154,26 @@ def check_h2d(dev: torch.device, batch: int) -> None:
           f"pinned non_blocking {gb / t_pin:6.1f} GB/s")
 
 
-def check_steps(blobs: list[bytes], dev: torch.device, a: argparse.Namespace, results: dict) -> None:
+def _steps_loader(blobs: list[bytes], a: argparse.Namespace) -> torch.utils.data.DataLoader:
+    """A pinned-memory packio loader over ``blobs`` stored pre-resized to 256x256 uint8 (the
+    prefetcher path moves uint8 and crops on the GPU), one long epoch sampled with replacement."""
     import packio
+
+    tmp = Path(tempfile.mkdtemp(prefix="packio-gpucheck-"))
+    folder = tmp / "imgs"
+    for i, b in enumerate(blobs[:1024]):
+        d = folder / f"c{i % 10}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:05d}.jpg").write_bytes(b)
+    packio.convert(folder, tmp / "d.arrays", resize=packio.ResizeSpec(size=(256, 256)), workers=min(8, os.cpu_count()),
+                   progress=False)
+    ds = packio.open_dataset(tmp / "d.arrays")
+    sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=(a.warmup + a.steps) * a.batch)
+    return packio.DataLoader(ds, batch_size=a.batch, sampler=sampler, num_workers=a.workers, drop_last=True,
+                             pin_memory=True, persistent_workers=False)
+
+
+def check_steps(blobs: list[bytes], dev: torch.device, a: argparse.Namespace, results: dict) -> None:
     from packio.cuda import GPUTransform, Prefetcher
 
     model, mname = resnet50()
@@ -166,21 +187,7 @@ def check_steps(blobs: list[bytes], dev: torch.device, a: argparse.Namespace, re
         loss.backward()
         opt.step()
 
-    tmp = Path(tempfile.mkdtemp(prefix="packio-gpucheck-"))
-    folder = tmp / "imgs"
-    for i, b in enumerate(blobs[:1024]):
-        d = folder / f"c{i % 10}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{i:05d}.jpg").write_bytes(b)
-    # Stored pre-resized to 256x256 uint8: the prefetcher path moves uint8 and crops on the GPU.
-    packio.convert(folder, tmp / "d.arrays", resize=packio.ResizeSpec(size=(256, 256)), workers=min(8, os.cpu_count()),
-                   progress=False)
-    ds = packio.open_dataset(tmp / "d.arrays")
-    total = (a.warmup + a.steps) * a.batch
-    # One long epoch (sampling with replacement): no epoch restart inside the timed steps.
-    sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=total)
-    loader = packio.DataLoader(ds, batch_size=a.batch, sampler=sampler, num_workers=a.workers, drop_last=True,
-                               pin_memory=True, persistent_workers=False)
+    loader = _steps_loader(blobs, a)
     tf = GPUTransform(size=(224, 224), train=True, channels_last=True, dtype=torch.bfloat16,
                       generator=torch.Generator(device=dev).manual_seed(0))
 
@@ -239,6 +246,34 @@ def check_cpu_parts(blobs: list[bytes], batch: int) -> None:
     print(f"{mname}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, forward ok {tuple(out.shape)}")
 
 
+def sweep(blobs: list[bytes], batch: int, rounds: int) -> None:
+    """GPU batched decode per backend and nvImageCodec hardware-decoder share, alternating
+    rounds (clock warm-up and order favour none): median img/s and ratio to the best."""
+    from packio.cuda import BatchDecoder, GPUTransform
+    from packio.cuda.backends import NvImageCodecBackend, available
+
+    dev = torch.device("cuda", 0)
+    chunks = [blobs[i:i + batch] for i in range(0, len(blobs), batch)]
+    settings: dict[str, BatchDecoder] = {}
+    if available("nvimgcodec"):
+        for load in (0.0, 0.5, 0.9, 1.0):
+            settings[f"nvimgcodec hw_load={load}"] = BatchDecoder(dev, NvImageCodecBackend(hw_load=load))
+    if available("torchvision"):
+        settings["torchvision"] = BatchDecoder(dev, "torchvision")
+    tf = GPUTransform(size=(224, 224), train=False, channels_last=True, dtype=torch.bfloat16)
+    cases = {}
+    for name, dec in settings.items():
+        cases[f"{name} decode"] = lambda dec=dec: len(blobs) / timed(lambda: [dec(c) for c in chunks], 3, 1, True)
+        cases[f"{name} +resize224+normalise"] = lambda dec=dec: len(blobs) / timed(
+            lambda: [tf({"image": dec(c)}) for c in chunks], 3, 1, True)
+    got = {k: median(v) for k, v in interleaved(cases, rounds).items()}
+    best = {kind: max(v for k, v in got.items() if k.endswith(kind)) for kind in (" decode", "normalise")}
+    table(("setting", "img/s", "× best"), [(k, f"{v:.0f}", f"{v / best[' decode' if k.endswith(' decode') else 'normalise']:.2f}")
+                                          for k, v in got.items()],
+          f"{torch.cuda.get_device_name(dev)}; {len(blobs)} JPEGs ~500x375 q90, batch {batch}, median of {rounds} "
+          "alternating rounds (each the median of 3 timed passes)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=2048, help="JPEGs decoded per round")
@@ -247,6 +282,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10, help="untimed training steps first")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--allow-cpu", action="store_true", help="no CUDA / no GPU decoder: run the CPU parts, exit 0")
+    ap.add_argument("--sweep", action="store_true", help="only the decode backend / hardware-share sweep")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of --sweep")
     a = ap.parse_args()
 
     from packio.cuda.backends import ORDER, available
@@ -259,11 +296,14 @@ def main() -> int:
     if not names:
         missing.append("a GPU decode backend (pip install 'packio[nvimgcodec]' and/or 'packio[gpu]')")
     if missing and not a.allow_cpu:
-        print(f"gpu_check: missing {' and '.join(missing)}; nothing to measure. Run on a GPU machine with them, "
+        print(f"gpu.py: missing {' and '.join(missing)}; nothing to measure. Run on a GPU machine with them, "
               f"or pass --allow-cpu to run the CPU parts only.", file=sys.stderr)
         return 2
 
     blobs = imagenet_like(a.images)
+    if a.sweep and has_cuda:
+        sweep(blobs, a.batch, a.rounds)
+        return 0
     sizes = [len(b) for b in blobs]
     print(f"{len(blobs)} JPEGs ~500x375 q90 4:2:0, mean {np.mean(sizes) / 1e3:.0f} KB, batch {a.batch}")
     cores = os.cpu_count() or 1

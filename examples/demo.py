@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))  # this checkout's packio
 
 import packio  # noqa: E402
 from packio.bench.synth import make_photo_folder  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> int:
         last = f", the last one {sizes[-1]}" if sizes and sizes[-1] != batch_size else ""
         print(f"epoch {epoch}: {n} samples, {boxes} boxes in {len(sizes)} batches of {batch_size}{last} "
               f"(images {tuple(batch['image'].shape[1:])} each): {n / dt:.0f} samples/s (decode + resize 224, "
-              f"{a.workers} workers{', includes worker start' if epoch == 0 else ''})")
+              f"{a.workers} DataLoader workers{', includes their start' if epoch == 0 else ''})")
     return 0
 
 

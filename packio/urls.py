@@ -1,0 +1,63 @@
+"""URLs at one edge: the public ``open_reader``, ``convert`` and ``verify`` take a
+path or a URL; a URL goes to :mod:`packio.remote` here (a reader over the cache, an
+upload after a local conversion), so formats, the converter and the verifier only
+ever see local paths and readers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from packio.errors import PackioError
+from packio.remote import is_url
+
+__all__ = ["convert", "open_reader", "verify", "is_url"]
+
+
+def open_reader(path: Any, **remote: Any) -> Any:
+    """A reader for a packed dataset at a local path or a URL; ``remote``: the
+    options of :func:`packio.remote.open_url` (cache, retries, timeout, ...)."""
+    if is_url(path):
+        from packio.remote import open_url
+
+        return open_url(path, **remote)
+    from packio.formats import open_reader as open_local
+
+    return open_local(path)
+
+
+def convert(src: str | Path, dst: str | Path, *args: Any, storage_options: dict[str, Any] | None = None,
+            tmp_dir: str | Path | None = None, **kwargs: Any) -> Any:
+    """:func:`packio.converter.convert`; to a URL: packed into a local staging folder,
+    then uploaded (files first, the manifest last; see :mod:`packio.remote.upload`)."""
+    from packio.converter import convert as convert_local
+
+    if not is_url(dst):
+        return convert_local(src, dst, *args, **kwargs)
+    from packio.remote.upload import convert_to_url
+
+    return convert_to_url(convert_local, src, str(dst), *args, storage_options=storage_options, tmp_dir=tmp_dir,
+                          **kwargs)
+
+
+def verify(path: str | Path, **remote: Any) -> Any:
+    """:func:`packio.verifier.verify`; a URL: every file is downloaded into the cache
+    and checked, each one that fails is a line of the report."""
+    from packio.verifier import VerifyReport
+    from packio.verifier import verify as verify_local
+
+    if not is_url(path):
+        return verify_local(path)
+    from packio.remote import open_url
+
+    try:
+        reader = open_url(str(path), **remote)
+    except PackioError as exc:
+        if "\n" not in str(exc) and not str(exc).count("checksum"):
+            raise  # not a dataset, unreachable, ...: nothing to report on
+        return VerifyReport(path=str(path), bad_files=str(exc).splitlines())
+    problems = reader.fetch_all() if hasattr(reader, "fetch_all") else []
+    report = verify_local(reader)
+    report.path = str(reader)
+    report.bad_files[:0] = problems
+    return report

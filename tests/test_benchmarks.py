@@ -1,0 +1,125 @@
+"""The developer benchmarks under benchmarks/: every script answers --help, shares the one
+timing module, runs end to end on tiny data, and says so (non-zero exit) when it has no data."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+SCRIPTS = {"loader.py": ["w1", "w2", "levers", "memory"], "convert.py": ["workers", "check", "dask"],
+           "remote.py": [None], "gpu.py": [None], "gpu_vs_dali.py": [None], "peers_dali.py": [None], "ab.py": [None]}
+PEERS = ROOT.parent / "shared" / "peers" / "bench.py"
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_every_script_is_listed_and_documented():
+    scripts = {p.name for p in BENCH.glob("*.py")} - {"common.py", "scale.py"}
+    assert scripts == set(SCRIPTS)
+    readme = (BENCH / "README.md").read_text()
+    for name in scripts:
+        assert f"benchmarks/{name}" in readme, name
+        assert "from common import" in (BENCH / name).read_text(), f"{name} does not share common.py"
+    assert not list(ROOT.glob("tools/*.py")), "tools/ became benchmarks/"
+
+
+@pytest.mark.parametrize("script,command", [(s, c) for s, cs in SCRIPTS.items() for c in cs])
+def test_help(script, command):
+    if script == "peers_dali.py" and not PEERS.is_file():
+        pytest.skip("the peers harness (../shared/peers) is absent")
+    r = run(str(BENCH / script), *([command] if command else []), "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--rounds" in r.stdout or "--allow-cpu" in r.stdout or "dali-cpu" in r.stdout
+
+
+def test_unknown_command_exits_non_zero():
+    r = run(str(BENCH / "loader.py"), "nope")
+    assert r.returncode == 2 and "w1, w2, levers, memory" in r.stderr
+
+
+def test_workers_without_data_exits_non_zero(tmp_path):
+    r = run(str(BENCH / "convert.py"), "workers", "--src", str(tmp_path / "absent"), "--rounds", "1")
+    assert r.returncode != 0
+    assert "no image folder" in r.stderr and "--src" in r.stderr
+    assert "| source |" not in r.stdout  # no empty table
+
+
+def test_interleaved_alternates_order_and_medians_skip_failures(capsys):
+    from common import interleaved, median
+
+    calls: list[str] = []
+    got = interleaved({"a": lambda: calls.append("a") or 1.0, "b": lambda: calls.append("b") or 2.0}, 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert got == {"a": [1.0] * 3, "b": [2.0] * 3}
+    assert capsys.readouterr().out.count("round ") == 3
+    assert median([3.0, float("nan"), 1.0]) == 2.0
+    assert median([float("nan")]) != median([float("nan")])  # nan: nothing measured
+
+
+def test_w2_runs_end_to_end_on_tiny_data(gen_folder, tmp_path):
+    import packio
+
+    src, csv = gen_folder
+    dst = tmp_path / "d.arrays"
+    packio.convert(src, dst, csv=csv, resize=packio.ResizeSpec(size=(32, 32)), progress=False)
+    r = run(str(BENCH / "loader.py"), "w2", "--path", str(dst), "--rounds", "1", "--seconds", "0.01")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| packio nw=")]
+    assert len(rows) == 4 and all(float(line.split("|")[2]) > 0 for line in rows), r.stdout
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def test_gpu_vs_dali_cpu_parts_on_tiny_data():
+    r = run(str(BENCH / "gpu_vs_dali.py"), "--allow-cpu", "--images", "24", "--batch", "8", "--rounds", "1",
+            "--workers", "0", "--real", "", timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert float(rows["packio cpu"][0]) > 0 and "on CPU threads" in rows["packio cpu"][-2]
+    for name in ("dali-cpu", "torchvision"):  # what is missing here is said, not measured
+        if not _has("nvidia.dali" if name == "dali-cpu" else name):
+            assert rows[name][0].strip() == "unavailable" and "not installed" in rows[name][-2]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert rows["dali hw=default"][0].strip() == "unavailable"
+        assert rows["packio nvimgcodec"][0].strip() == "unavailable"
+
+
+@pytest.mark.parametrize("args,message", [(["--hw-loads", "2"], "in [0, 1]"), (["--hw-loads", "x"], "numbers"),
+                                          (["--batch", "0"], "must be >= 1")])
+def test_gpu_vs_dali_rejects_bad_arguments(args, message):
+    r = run(str(BENCH / "gpu_vs_dali.py"), "--allow-cpu", *args)
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_gpu_vs_dali_without_cuda_needs_allow_cpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    r = run(str(BENCH / "gpu_vs_dali.py"), "--images", "8")
+    assert r.returncode == 2 and "--allow-cpu" in r.stderr and "|" not in r.stdout
+
+
+def test_peers_dali_without_dali_says_how_to_install():
+    if _has("nvidia.dali"):
+        pytest.skip("DALI is installed")
+    r = run(str(BENCH / "peers_dali.py"), "--data", "x")
+    assert r.returncode != 0 and "pip install nvidia-dali-cuda130" in r.stderr

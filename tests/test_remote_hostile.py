@@ -1,0 +1,238 @@
+"""Remote datasets attacked: a hostile HTTP server written here (stalls, endless bodies,
+200 instead of 206, a dataset replaced under a reader), and SeaweedFS (S3) for the
+upload protocol. Every wait is short: timeouts are passed as parameters."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import packio
+from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError, RemoteError,
+                           RemoteTimeoutError, RemoteUnreachableError, SourceError)
+
+pytest.importorskip("fsspec", reason="remote tests need packio[remote]")
+FAST = dict(retries=2, timeout=1.0, retry_seconds=3.0)
+
+
+class _Hostile(http.server.SimpleHTTPRequestHandler):
+    """Serves ``directory``; the server's ``mode`` makes it misbehave: ``stall`` (headers,
+    then nothing), ``endless`` (a body without end, no length), ``norange`` (200 and the
+    whole file whatever the Range)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._serve(False)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._serve(True)
+
+    def _serve(self, body: bool) -> None:
+        mode = self.server.mode  # type: ignore[attr-defined]
+        path = Path(self.translate_path(self.path))
+        if mode == "endless" and path.name == "packio.json":
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            sent = 0
+            try:
+                while body and sent < (64 << 20):
+                    self.wfile.write(b" " * 65536)
+                    sent += 65536
+            except OSError:
+                pass
+            self.server.sent = sent  # type: ignore[attr-defined]
+            return
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        rng = self.headers.get("Range")
+        status, start, end = 200, 0, len(data)
+        if rng and mode != "norange":
+            a, _, b = rng[6:].partition("-")
+            start, end, status = int(a), min(len(data), int(b) + 1 if b else len(data)), 206
+        self.send_response(status)
+        self.send_header("Content-Length", str(end - start))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.end_headers()
+        if not body:
+            return
+        if mode == "stall" and path.suffix == ".tar":
+            self.wfile.write(data[start:start + 10])
+            self.wfile.flush()
+            time.sleep(30)  # a server that stops sending mid-body
+            return
+        self.wfile.write(data[start:end])
+
+
+@pytest.fixture
+def hostile(tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: _Hostile(*a, directory=str(root),
+                                                                                          **k))
+    httpd.daemon_threads = True
+    httpd.mode, httpd.sent, httpd.root = "", 0, root
+    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield httpd
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture
+def served(hostile, gen_folder):
+    src, csv = gen_folder
+    packio.convert(src, hostile.root / "ds.wds", csv=csv, shard_samples=4, progress=False)
+    return hostile, f"{hostile.url}/ds.wds"
+
+
+def test_stalled_body_times_out_within_the_retry_budget(served, tmp_path):
+    server, url = served
+    server.mode = "stall"
+    t0 = time.monotonic()
+    with pytest.raises(RemoteTimeoutError, match="timed out"):
+        list(packio.open_dataset(url, iterable=True, cache_dir=tmp_path / "c", decode=False, **FAST))
+    assert time.monotonic() - t0 < 15
+
+
+def test_endless_manifest_is_cut_at_the_limit(served, tmp_path, monkeypatch):
+    server, url = served
+    server.mode = "endless"
+    monkeypatch.setattr("packio.limits.MAX_MANIFEST_BYTES", 1 << 20)
+    with pytest.raises(RemoteError, match="limit"):
+        packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
+    assert server.sent < 16 << 20  # the reader hung up, it did not read the 64 MiB
+
+
+def test_server_ignoring_range_is_named(served, tmp_path):
+    server, url = served
+    server.mode = "norange"
+    ds = packio.open_dataset(url, cache_dir=tmp_path / "c", decode=False, **FAST)
+    with pytest.raises(RangeNotSupportedError, match="byte ranges"):
+        ds.reader.read(5)
+
+
+def test_dataset_replaced_under_a_live_reader(served, tmp_path, gen_folder):
+    server, url = served
+    ds = packio.open_dataset(url, cache_dir=tmp_path / "c", decode=False, **FAST)
+    first = ds.reader.read(0).key
+    src, _ = gen_folder
+    for p in sorted(src.rglob("*.jpg"))[:3]:  # a different dataset at the same URL
+        p.unlink()
+    packio.convert(src, server.root / "ds.wds", shard_samples=2, overwrite=True, progress=False)
+    with pytest.raises(DatasetReplacedError, match="replaced"):
+        for i in range(len(ds.reader)):
+            assert ds.reader.read(i).key or first
+
+
+def test_percent_encoded_parent_is_refused(served, tmp_path):
+    server, url = served
+    (server.root / "secret.bin").write_bytes(b"secret")
+    mpath = server.root / "ds.wds" / "packio.json"
+    m = json.loads(mpath.read_text())
+    m["files"]["%2e%2e/%2e%2e/secret.bin"] = {"bytes": 6}
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="secret.bin"):
+        packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
+
+
+def test_unreachable_and_not_a_dataset_and_secrets(served, tmp_path, caplog):
+    server, url = served
+    port = server.server_address[1]
+    secret = "S3CR3T-pw"
+    with pytest.raises(FormatError, match="not a packed dataset") as e1:
+        packio.open_dataset(f"http://user:{secret}@127.0.0.1:{port}/nothing.wds?token={secret}",
+                            cache_dir=tmp_path / "c", **FAST)
+    server.shutdown()
+    server.server_close()
+    with pytest.raises(RemoteUnreachableError, match="cannot connect") as e2:
+        packio.open_dataset(f"http://user:{secret}@127.0.0.1:{port}/ds.wds", cache_dir=tmp_path / "c", **FAST)
+    text = str(e1.value) + str(e2.value) + caplog.text
+    assert secret not in text and "127.0.0.1" in text
+    assert not [p for p in (tmp_path / "c").rglob("*") if secret in str(p)]
+
+
+def test_truncated_or_linked_cache_file_is_fetched_again(served, tmp_path):
+    server, url = served
+    cache = tmp_path / "c"
+    want = sorted(x["key"] for x in packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False))
+    shards = sorted(cache.rglob("shard-*.tar"))
+    with open(shards[0], "r+b") as f:
+        f.truncate(100)
+    shards[1].unlink()
+    (tmp_path / "planted.tar").write_bytes(b"x" * 1000)
+    shards[1].symlink_to(tmp_path / "planted.tar")
+    got = sorted(x["key"] for x in packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False,
+                                                          on_error="skip"))
+    assert got == want
+    assert not shards[1].is_symlink()
+
+
+def test_read_only_cache_dir_is_a_packio_error(served, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    server, url = served
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(RemoteError, match="cannot write the download cache"):
+        packio.open_dataset(url, cache_dir=ro, **FAST)
+
+
+def test_failed_overwrite_keeps_the_old_dataset(gen_folder, tmp_path, bucket, s3_server):
+    src, csv = gen_folder
+    url = f"s3://{bucket}/keep.wds"
+    packio.convert(src, url, csv=csv, shard_samples=3, progress=False)
+    before = sorted(s.key for s in packio.open_reader(url, cache_dir=tmp_path / "c").read_many(list(range(14))))
+    (src / "cats" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(SourceError):
+        packio.convert(src, url, csv=csv, shard_samples=2, strict=True, overwrite=True, progress=False)
+    after = sorted(s.key for s in packio.open_reader(url, cache_dir=tmp_path / "c2").read_many(list(range(14))))
+    assert after == before
+
+
+def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_server):
+    from packio.remote.store import Store
+    from packio.remote.upload import LOCK, _Lock
+
+    src, csv = gen_folder
+    url = f"s3://{bucket}/busy.wds"
+    lock = _Lock(Store(url), LOCK)
+    lock.acquire()  # another conversion is running
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(OutputBusyError, match="another conversion"):
+            packio.convert(src, url, csv=csv, progress=False)
+        assert time.monotonic() - t0 < 10
+    finally:
+        lock.release()
+    packio.convert(src, url, csv=csv, progress=False)  # free again
+
+
+def test_killed_upload_staging_is_cleaned(gen_folder, tmp_path, bucket, s3_server):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = tmp_path / "tmp" / f"packio-upload-{dead}-abc"
+    (stale / "ds.wds").mkdir(parents=True)
+    src, csv = gen_folder
+    packio.convert(src, f"s3://{bucket}/st.wds", csv=csv, progress=False, tmp_dir=tmp_path / "tmp")
+    assert not stale.exists() and not list((tmp_path / "tmp").iterdir())
