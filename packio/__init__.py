@@ -19,7 +19,7 @@ _LAZY = {
     "ResizeSpec": "packio.decode",
     "PackOptions": "packio.options", "DecodeOptions": "packio.options",
     "Sample": "packio.sample",
-    "Manifest": "packio.manifest",
+    "Manifest": "packio.manifest", "trust_manifest": "packio.manifest",
     "PackioError": "packio.errors", "SourceError": "packio.errors", "FormatError": "packio.errors",
     "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors", "StateError": "packio.errors",
     "OutputBusyError": "packio.errors", "DatasetReplacedError": "packio.errors",

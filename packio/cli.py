@@ -32,6 +32,19 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def _float_in(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not lo <= v <= hi:  # nan and inf fail here too
+            raise argparse.ArgumentTypeError(f"expected a number from {lo:g} to {hi:g}, got {text!r}")
+        return v
+
+    return parse
+
+
 def _workers(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
@@ -194,20 +207,28 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
                                    "into candidate layouts, time each with packio.tune's settings, and print a ranked "
                                    "recommendation with the packio convert and reader lines.")
     d.add_argument("path", help="image folder (class sub-folders or flat), or a packed dataset")
-    d.add_argument("--size", type=int, default=224, help="training image size (default 224)")
-    d.add_argument("--batch-size", type=int, default=64, help="training batch size (default 64)")
-    d.add_argument("--seconds", type=float, default=60.0, help="time budget for the whole run (default 60)")
-    d.add_argument("--sample", type=float, default=0.02, help="fraction of the dataset to pack (default 0.02)")
-    d.add_argument("--min-samples", type=int, default=256, help="sample at least this many (default 256)")
-    d.add_argument("--max-samples", type=int, default=1000, help="sample at most this many (default 1000)")
-    d.add_argument("--step-ms", type=float, help="your training step time per batch, to say which layouts keep up")
-    d.add_argument("--gpu-decode-ms", type=float,
+    from packio.doctor.limits import RANGES as R
+
+    d.add_argument("--size", type=_int_in(*R["size"]), default=224, help="training image size (default 224)")
+    d.add_argument("--batch-size", type=_int_in(*R["batch_size"]), default=64,
+                   help="training batch size (default 64)")
+    d.add_argument("--seconds", type=_float_in(*R["seconds"]), default=60.0,
+                   help="time budget for the whole run (default 60)")
+    d.add_argument("--sample", type=_float_in(*R["fraction"]), default=0.02,
+                   help="fraction of the dataset to pack (default 0.02)")
+    d.add_argument("--min-samples", type=_int_in(*R["min_samples"]), default=256,
+                   help="sample at least this many (default 256)")
+    d.add_argument("--max-samples", type=_int_in(*R["max_samples"]), default=1000,
+                   help="sample at most this many (default 1000)")
+    d.add_argument("--step-ms", type=_float_in(*R["step_ms"]),
+                   help="your training step time per batch, to say which layouts keep up")
+    d.add_argument("--gpu-decode-ms", type=_float_in(*R["gpu_decode_ms"]),
                    help="without CUDA: a GPU decode time per batch you declare (labelled as declared)")
     d.add_argument("--csv", help="CSV of annotations, passed on to the packio convert line")
     d.add_argument("--report", metavar="DIR", help="write DIR/doctor.md and DIR/doctor.png")
     d.add_argument("--work", metavar="DIR", help="where to pack the samples (default: the system temp folder)")
     d.add_argument("--keep", action="store_true", help="keep the packed samples")
-    d.add_argument("--cpus", type=int, help="CPUs to use (default: what affinity and the cgroup quota allow)")
+    d.add_argument("--cpus", type=_int_in(*R["cpus"]), help="CPUs to use (default: what affinity and the cgroup quota allow)")
     d.add_argument("--cgroup-root", default="/sys/fs/cgroup", help=argparse.SUPPRESS)
     d.add_argument("--quiet", action="store_true", help="no progress lines")
     d.set_defaults(fn=_cmd_doctor)

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import threading
 import time
 import uuid
@@ -32,7 +33,8 @@ from packio import census
 from packio import decode as dec
 from packio import geometry as geo
 from packio import limits
-from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError, SourceError
+from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, OutputExistsError, PackioError,
+                           SourceError)
 from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, disk_bytes
@@ -225,6 +227,8 @@ def _prepare_packed(prep: _Prep, index: int) -> Result:
     assert prep.reader is not None
     try:
         s = prep.reader.read(index)
+    except DatasetReplacedError:
+        raise  # not one bad sample: the whole source changed under us, so the conversion stops, nothing committed
     except PackioError as exc:
         return Skipped("corrupt sample in the source dataset", f"#{index} ({exc})")
     if s.checksum and checksum(s.payload) != s.checksum:  # never launder damage into a fresh checksum
@@ -605,17 +609,23 @@ def _output_lock(dst: Path) -> Iterator[None]:
     path = dst.with_name(f".{dst.name}.packio-lock")
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a planted symlink (it would create a file where it points), never blocking
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise PackioError(f"{path}: cannot create the output's lock file ({exc.strerror})") from None
+            raise PackioError(f"{path}: cannot create the output's lock file ({exc.strerror}); if it is a "
+                              f"symlink or not a regular file, remove it") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PackioError(f"{path}: the output's lock file is not a regular file; remove it")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except BaseException as exc:
             os.close(fd)
+            if not isinstance(exc, BlockingIOError):
+                raise
             raise OutputBusyError(f"{dst}: another packio conversion is writing it now (it holds {path}); "
                                   f"wait for it to finish, or choose another output") from None
         try:  # the file on disk, not one its last holder removed after we opened it
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            if os.lstat(path).st_ino == os.fstat(fd).st_ino:
                 break
         except FileNotFoundError:
             pass

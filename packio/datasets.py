@@ -12,6 +12,8 @@ continue on any number of ranks and workers.
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sized
@@ -25,8 +27,8 @@ from packio.errors import PackioError, StateError
 from packio.formats.base import Reader
 from packio.items import Item, Items
 from packio.options import DecodeOptions, merge_options
-from packio.order import (Split, check_even, check_int, dist_info, dist_world, epoch_order, make_state,
-                          rank_lengths, read_state, worker_slice)
+from packio.order import (Split, check_epoch, check_even, check_int, dist_info, dist_world, epoch_order,
+                          make_state, rank_lengths, read_state, units_digest, worker_slice)
 from packio.sample import Sample
 
 __all__ = ["PackedDataset", "PackedIterableDataset", "ResumableSampler", "open_dataset", "format_classes"]
@@ -136,7 +138,7 @@ class _Resumable:
         return self._get_position()[0]
 
     def set_epoch(self, epoch: int) -> None:
-        epoch = check_int("epoch", epoch, 0)
+        epoch = check_epoch(check_int("epoch", epoch, 0))
         self._check_world()
         if epoch != self.epoch:
             self._set_position(epoch, 0)
@@ -203,20 +205,36 @@ def _check_flags(shuffle: Any, seed: Any) -> tuple[bool, int]:
 
 
 class _SharedPosition:
-    """(epoch, start) in a shared-memory tensor: the training process writes it, and
-    every DataLoader worker reads it when it begins an epoch — persistent workers
-    (which keep their own copy of the dataset) and spawn / forkserver ones (which
-    get the dataset pickled: torch sends a shared tensor as a handle) included."""
+    """(epoch, start) shared with DataLoader workers: the training process writes it,
+    and every worker reads it when it begins an epoch — persistent workers (which keep
+    their own copy of the dataset) and spawn / forkserver ones included.
+
+    Held in an anonymous shared page (inherited by forked workers, no descriptor), and
+    only when the dataset is pickled (spawn / forkserver workers) also in a torch
+    shared-memory tensor, sent as a handle: an idle dataset holds no descriptor."""
 
     def __init__(self) -> None:
-        self.t = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._page = mmap.mmap(-1, 16)
+        self.t: torch.Tensor | None = None
 
     def get(self) -> tuple[int, int]:
-        epoch, start = self.t.tolist()
-        return int(epoch), int(start)
+        if self.t is not None:
+            epoch, start = self.t.tolist()
+            return int(epoch), int(start)
+        return struct.unpack("<qq", self._page[:16])
 
     def set(self, epoch: int, start: int) -> None:
-        self.t.copy_(torch.tensor([epoch, start], dtype=torch.int64))
+        self._page[:16] = struct.pack("<qq", epoch, start)
+        if self.t is not None:
+            self.t.copy_(torch.tensor([epoch, start], dtype=torch.int64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.t is None:  # from now on both are written: forked copies read the page, pickled ones the tensor
+            self.t = torch.tensor(self.get(), dtype=torch.int64).share_memory_()
+        return {"t": self.t}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._page, self.t = mmap.mmap(-1, 16), state["t"]
 
 
 class PackedIterableDataset(_Resumable, IterableDataset):
@@ -259,6 +277,7 @@ class PackedIterableDataset(_Resumable, IterableDataset):
         self._pass: _Pass | None = None
         self._generation = 0
         self._worker_resume: dict[str, Any] | None = None  # a worker's own state, loaded inside it
+        self._units_digest: str | None = None
         self.whole_batches = False  # set by packio.DataLoader: yield whole batches (Batch), not sample dicts
         self.drop_last = False  # with whole_batches: leave out a last batch shorter than batch_size
 
@@ -281,7 +300,11 @@ class PackedIterableDataset(_Resumable, IterableDataset):
                            units=self.reader.units(), window=self.window)
 
     def _order_args(self) -> dict[str, Any]:
-        return {"window": self.window}
+        """What a resume state must match besides length, seed and shuffle: the
+        window, and the dataset and order units it was taken on."""
+        if self._units_digest is None:
+            self._units_digest = units_digest(self.reader.units())
+        return {"window": self.window, "dataset": self.reader.manifest.id, "units": self._units_digest}
 
     def rank_sequence(self) -> np.ndarray:
         """This rank's sample indices for the rest of the current epoch."""
@@ -320,8 +343,12 @@ class PackedIterableDataset(_Resumable, IterableDataset):
                              f"state resumes only with the same world size, num_workers and batch size; for a "
                              f"state that resumes anywhere use packio.DataLoader.state_dict()")
         split = self.split(resume["epoch"], resume["consumed"])
-        return _Pass(resume["epoch"], split, self._generation, taken=resume["done"], worker=(worker, workers),
-                     chunk=chunk)
+        mine = len(worker_slice(split.sequence(), worker, workers, chunk))
+        done = resume.get("done")
+        if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done <= mine:
+            raise StateError(f"a DataLoader worker state says done={done!r}, but this worker's share of the rest "
+                             f"of the epoch is {mine} samples: the state is damaged; resume from a fresh one")
+        return _Pass(resume["epoch"], split, self._generation, taken=done, worker=(worker, workers), chunk=chunk)
 
     def _stream(self, seq: np.ndarray, p: _Pass) -> Iterator[Batch | Item | None]:
         step = p.chunk
@@ -354,7 +381,7 @@ class PackedIterableDataset(_Resumable, IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if get_worker_info() is not None and isinstance(state, dict) and WORKER_STATE in state:
             read_state(state, self.kind, length=self.length, seed=self.seed, shuffle=self.shuffle,
-                       window=self.window)
+                       **self._order_args())
             self._worker_resume = state
             return
         super().load_state_dict(state)

@@ -227,6 +227,9 @@ def _simplejpeg(data: bytes | memoryview, strict: bool, kw: dict[str, Any]) -> n
         raise CorruptImageError(f"corrupt JPEG data ({exc})") from None
 
 
+JPEG_ONLY = ("simplejpeg", "turbojpeg")  # backends that read JPEG alone
+
+
 def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[int, int] | None = None,
            apply_exif: bool = False, strict: bool = False, max_pixels: int | None = None) -> np.ndarray:
     """Decode to ``uint8[H, W, 3]`` RGB (grayscale and CMYK become RGB).
@@ -246,8 +249,8 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
     check_pixels(*image_size(data, enc), max_pixels)
     errors: list[str] = []
     order = [backend] if backend != "auto" else ["simplejpeg", "cv2", "pil"]
-    if backend == "auto" and enc != "jpeg":
-        order = ["cv2", "pil"]
+    if enc != "jpeg" and backend in ("auto", *JPEG_ONLY):
+        order = ["cv2", "pil"]  # a JPEG-only backend asked for: PNG / WebP / BMP samples still need a reader
     if apply_exif and enc == "jpeg" and backend == "auto":
         order = ["cv2", "pil"]  # simplejpeg does not read EXIF orientation
         if strict:
@@ -320,9 +323,10 @@ class ResizeSpec:
     def __post_init__(self) -> None:
         if self.size is not None and self.short_side is not None:
             raise ValueError("give either a fixed size or a short side, not both")
-        for v in (*(self.size or ()), *(self.crop or ()), *((self.short_side,) if self.short_side is not None else ())):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"resize sizes must be positive integers, got {v!r}")
+        for name in ("size", "crop"):  # a list or numpy ints are fine; stored as (h, w) of ints
+            object.__setattr__(self, name, _pair(name, getattr(self, name)))
+        if self.short_side is not None:
+            object.__setattr__(self, "short_side", _positive("short_side", self.short_side))
 
     @property
     def active(self) -> bool:
@@ -344,6 +348,21 @@ class ResizeSpec:
     def to_json(self) -> dict[str, Any]:
         return {"size": self.size and list(self.size), "short_side": self.short_side,
                 "crop": self.crop and list(self.crop)}
+
+
+def _positive(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise ValueError(f"ResizeSpec {name} must be a positive int, not {v!r}")
+    return int(v)
+
+
+def _pair(name: str, v: Any) -> tuple[int, int] | None:
+    """``v`` as (h, w): a tuple or list of two positive ints, or None."""
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not isinstance(v, (tuple, list)) or len(v) != 2:
+        raise ValueError(f"ResizeSpec {name} must be (height, width), two positive ints, not {v!r}")
+    return _positive(name, v[0]), _positive(name, v[1])
 
 
 def resize(img: np.ndarray, hw: tuple[int, int], best: bool = False, out: np.ndarray | None = None) -> np.ndarray:

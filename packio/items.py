@@ -142,7 +142,7 @@ class Decoder:
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
             raw = isinstance(s.payload, np.ndarray)
             return (chw(s.payload) if raw else s.payload), geo.as_boxes(s.boxes)
-        img = pixels(s, self.backend, self.size, strict=self.verify)
+        img = pixels(s, self.backend, self.size, strict=True)  # libjpeg's warnings are damage: never made-up pixels
         image = None
         if out is not None:
             img = dec.resize(img, self.size, out=out)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ the limits below. The limits are module attributes, read at call time: raise one
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -44,6 +45,7 @@ def open_regular(path: str | Path, error: Error = FormatError) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
+        check_descriptors(exc, path)
         raise error(f"{path}: cannot open ({exc.strerror})") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -54,6 +56,14 @@ def open_regular(path: str | Path, error: Error = FormatError) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_descriptors(exc: OSError, path: str | Path) -> None:
+    """Raise the error that says so when ``exc`` means this process (or the system)
+    has no descriptor left: the file itself is fine, so no format error."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        raise PackioError(f"{path}: cannot open: too many open files in this process ({exc.strerror}); raise "
+                          f"the limit ('ulimit -n', RLIMIT_NOFILE) or open fewer datasets at once") from None
 
 
 def read_regular(path: str | Path, max_bytes: int, error: Error = FormatError) -> bytes:

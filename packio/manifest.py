@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -12,11 +14,24 @@ from packio import limits
 from packio.errors import FormatError
 
 __all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "file_digest", "describe_files", "disk_bytes",
-           "manifest_id"]
+           "manifest_id", "trust_manifest"]
 
 MANIFEST_NAME = "packio.json"
 DIGEST = "xxh3_128"  # file checksums; samples carry xxh3_64 (packio.sample.checksum)
 LAYOUT_VERSION = 1
+_CHECK_DIGEST = contextvars.ContextVar("packio_check_manifest_digest", default=True)
+
+
+@contextlib.contextmanager
+def trust_manifest() -> Any:
+    """Open datasets whose manifest no longer matches its digest (edited by hand, on
+    purpose) inside this block. Only for recovering data: the edit may relabel every
+    sample. ``packio verify`` opens this way so that it can report the mismatch."""
+    token = _CHECK_DIGEST.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_DIGEST.reset(token)
 
 
 @dataclass
@@ -66,8 +81,25 @@ class Manifest:
             raise FormatError(f"{where}: manifest lacks 'format' or a valid 'count'")
         if not all(isinstance(c, str) for c in raw.get("classes", [])):
             raise FormatError(f"{where}: manifest 'classes' must be strings")
+        _check_image(raw.get("image", {}), where)
         known = {k: raw[k] for k in (*types, "version") if k in raw}
-        return cls(**known)
+        m = cls(**known)
+        if _CHECK_DIGEST.get() and m.digest != m.content_digest():
+            why = "has no content digest" if not m.digest else "no longer matches its digest"
+            raise FormatError(f"{where}: manifest {why}: it was edited or damaged after packing (an edit such as "
+                              f"reordered classes would relabel every sample); restore the original packio.json "
+                              f"or re-pack the dataset ('packio verify' reports the details)")
+        return m
+
+
+def _check_image(image: dict[str, Any], where: str) -> None:
+    """The fields of ``image`` readers size things by: ``shape`` is null or [H, W, 3]."""
+    shape = image.get("shape")
+    if shape is not None and not (isinstance(shape, list) and len(shape) == 3 and all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 < v <= limits.INT64_MAX for v in shape)
+                                  and shape[2] == 3):
+        raise FormatError(f"{where}: manifest image.shape {shape!r} is not [height, width, 3]; the manifest is "
+                          f"damaged, re-pack the dataset")
 
 
 _ID_AT_START = re.compile(rb'^\{\s*"format":\s*"[^"\\]*",\s*"count":\s*\d+,\s*"id":\s*"([0-9a-f]*)"')
@@ -76,10 +108,10 @@ _ID_AT_START = re.compile(rb'^\{\s*"format":\s*"[^"\\]*",\s*"count":\s*\d+,\s*"i
 def manifest_id(path: Path) -> str:
     """The ``id`` of the manifest file at ``path``: from its first bytes when it has the
     layout ``to_json`` writes, else from a full parse."""
-    with open(path, "rb") as f:
-        head = f.read(4096)
+    head = limits.read_head(path, 4096)  # a FIFO planted here is refused, never waited on
     m = _ID_AT_START.match(head)
-    return m.group(1).decode() if m else Manifest.from_json(path.read_bytes(), str(path)).id
+    return m.group(1).decode() if m else Manifest.from_json(
+        limits.read_regular(path, limits.MAX_MANIFEST_BYTES), str(path)).id
 
 
 def file_digest(path: Path, chunk: int = 1 << 22) -> str:

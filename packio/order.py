@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["epoch_order", "rank_slice", "rank_lengths", "worker_slice", "Split", "dist_info", "make_state",
-           "read_state", "check_int", "check_even"]
+           "read_state", "check_int", "check_even", "check_epoch", "units_digest"]
 
 EVEN = (None, "pad", "drop")
 
@@ -168,19 +168,40 @@ def _torch_dist() -> tuple[int, int] | None:
     return None
 
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: iterable states name their dataset and its order units
+MAX_EPOCH = (1 << 63) - 1  # epochs and positions travel as int64 (the workers' shared position)
+
+
+def check_epoch(epoch: Any) -> int:
+    """``epoch`` as a non-negative int below 2**63, else a :class:`StateError`."""
+    from packio.errors import StateError
+
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or not 0 <= epoch <= MAX_EPOCH:
+        raise StateError(f"epoch must be an int from 0 to 2**63-1, not {epoch!r}")
+    return int(epoch)
+
+
+def units_digest(units: Sequence[range]) -> str:
+    """A short fingerprint of the order units (shards, blocks): a state taken on other
+    units would deal another order, even over the same samples."""
+    import xxhash
+
+    bounds = np.array([(u.start, u.stop) for u in units], dtype=np.int64).reshape(-1, 2)
+    return f"{len(bounds)}:{xxhash.xxh3_64_hexdigest(bounds.tobytes())}"
 
 
 def make_state(kind: str, *, epoch: int, consumed: int, length: int, seed: int, shuffle: bool, world: int,
-               even: str | None, window: int | None = None) -> dict[str, Any]:
-    """A JSON-safe resume state: the global position in one epoch, and what fixes the order."""
+               even: str | None, window: int | None = None, dataset: str | None = None,
+               units: str | None = None) -> dict[str, Any]:
+    """A JSON-safe resume state: the global position in one epoch, what fixes the
+    order, and (iterable) the dataset id and order units it was taken on."""
     return {"packio_state": STATE_VERSION, "kind": kind, "epoch": int(epoch), "consumed": int(consumed),
             "length": int(length), "seed": int(seed), "shuffle": bool(shuffle), "window": window,
-            "world_size": int(world), "even": even}
+            "world_size": int(world), "even": even, "dataset": dataset, "units": units}
 
 
 def read_state(state: Any, kind: str, *, length: int, seed: int, shuffle: bool,
-               window: int | None = None) -> tuple[int, int]:
+               window: int | None = None, dataset: str | None = None, units: str | None = None) -> tuple[int, int]:
     """(epoch, consumed) of a state made by :func:`make_state` for the same order.
 
     The world size and ``even`` may differ (the position is global); anything that
@@ -194,16 +215,15 @@ def read_state(state: Any, kind: str, *, length: int, seed: int, shuffle: bool,
         raise StateError(f"this state was saved by a packio {state.get('kind')} but is loaded into a {kind}: "
                          f"they order samples differently; load it into the same kind of object")
     want = {"length": length, "seed": seed, "shuffle": shuffle}
-    if kind == "iterable" and shuffle:
-        want["window"] = window
+    if kind == "iterable":
+        want.update(dataset=dataset, units=units, **({"window": window} if shuffle else {}))
     for name, value in want.items():
         if state.get(name) != value:
             raise StateError(f"this state was saved with {name}={state.get(name)!r}, but this {kind} has "
                              f"{name}={value!r}: the order would differ; use the same {name}")
-    epoch, consumed = state.get("epoch"), state.get("consumed")
-    for name, v in (("epoch", epoch), ("consumed", consumed)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise StateError(f"state field {name!r} must be a non-negative int, not {v!r}")
+    epoch, consumed = check_epoch(state.get("epoch")), state.get("consumed")
+    if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+        raise StateError(f"state field 'consumed' must be a non-negative int, not {consumed!r}")
     if consumed > length:
         raise StateError(f"state says {consumed} samples consumed, but the epoch has only {length}")
     return epoch, consumed

@@ -88,6 +88,29 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
+def _skip_too_long(scan: Scan, folder: str, name: str, is_dir: bool) -> None:
+    """Count an entry whose path is over PATH_MAX: a file, or each file of a folder (none lost silently)."""
+    full = os.path.join(folder, name)
+    for rel in _files_below(folder, name) if is_dir else [name]:
+        scan.skip(f"path longer than {PATH_MAX - 1} bytes", full[:200] + ".../" + rel[-100:])
+
+
+def _files_below(folder: str, name: str) -> list[str]:
+    """Files under ``folder/name`` (a folder whose path is too long to open by name),
+    listed through descriptors relative to ``folder``."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return [name]
+    try:
+        found = [os.path.join(d, f) for d, _, files, _ in os.fwalk(name, dir_fd=fd) for f in files]
+    except OSError:
+        found = []
+    finally:
+        os.close(fd)
+    return found or [name]
+
+
 def _walk(root: Path, scan: Scan, exclude: set[str], follow_symlinks: bool = False) -> list[tuple[str, str]]:
     """(relative key, path) of every regular file, sorted (files of a folder, then its
     sub-folders). Symlinks are followed only where they resolve inside ``root``, unless
@@ -128,7 +151,7 @@ def _walk(root: Path, scan: Scan, exclude: set[str], follow_symlinks: bool = Fal
                 scan.skip("file name is not valid UTF-8", os.fsencode(full).decode("utf-8", "replace"))
                 continue
             if len(os.fsencode(os.path.abspath(full))) >= PATH_MAX:
-                scan.skip(f"path longer than {PATH_MAX - 1} bytes", full[:200] + "...")
+                _skip_too_long(scan, folder, name, is_dir and not link)
                 continue
             if link:
                 target = os.path.realpath(full)

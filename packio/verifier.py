@@ -9,7 +9,7 @@ from pathlib import Path
 from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.formats import open_reader
 from packio.formats.base import Reader, inside
-from packio.manifest import DIGEST, MANIFEST_NAME, file_digest
+from packio.manifest import DIGEST, MANIFEST_NAME, file_digest, trust_manifest
 from packio.sample import checksum
 
 __all__ = ["VerifyReport", "verify"]
@@ -63,7 +63,13 @@ def _check_files(reader: Reader, out: list[str]) -> None:
 
 def verify(path: str | Path) -> VerifyReport:
     """Check a packed dataset; damage of any kind is reported, never raised. Raises
-    only a PackioError when ``path`` cannot be opened as a packed dataset at all."""
+    only a PackioError when ``path`` cannot be opened as a packed dataset at all.
+    An edited manifest is opened anyway (:func:`trust_manifest`), to report it."""
+    with trust_manifest():
+        return _verify(path)
+
+
+def _verify(path: str | Path) -> VerifyReport:
     reader = open_reader(path)
     report = VerifyReport(path=str(path), count=len(reader))
     try:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import packio
-from conftest import jpeg
+from conftest import jpeg, sealed
 from packio.errors import FormatError, PackioError
 from packio.formats import formats
 
@@ -145,7 +145,7 @@ def test_manifest_paths_outside_are_refused(gen_folder, tmp_path, secret, monkey
     m = json.loads((path / "packio.json").read_text())
     m["files"]["../secret.txt"] = {"bytes": len(SECRET), "xxh3_128": "0"}
     m["files"][str(secret)] = {"bytes": len(SECRET), "xxh3_128": "0"}
-    (path / "packio.json").write_text(json.dumps(m))
+    (path / "packio.json").write_text(json.dumps(sealed(m)))
     hashed: list[Path] = []
     real = verifier.file_digest
     monkeypatch.setattr(verifier, "file_digest", lambda p, *a: hashed.append(Path(p).resolve()) or real(p, *a))
@@ -154,7 +154,7 @@ def test_manifest_paths_outside_are_refused(gen_folder, tmp_path, secret, monkey
     assert hashed and all(path.resolve() in p.parents for p in hashed)
     for shard in ("../secret.txt", str(secret), "sub/../../secret.txt"):
         m["extra"]["shards"] = [shard]
-        (path / "packio.json").write_text(json.dumps(m))
+        (path / "packio.json").write_text(json.dumps(sealed(m)))
         with pytest.raises(FormatError, match="outside the dataset"):
             packio.open_dataset(path)
 

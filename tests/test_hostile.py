@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import packio
-from conftest import SHARED, jpeg, photo, run_child_cases
+from conftest import SHARED, jpeg, photo, run_child_cases, sealed
 from packio import limits
 
 AS_LIMIT = 3 << 30  # the child's address space: far below any of the blow-ups
@@ -189,7 +189,7 @@ def world(tmp_path_factory) -> dict:
         p = pack(f"count_{fmt}{suffix}", **kw)
         m = json.loads((p / "packio.json").read_text())
         m["count"] = 10**12
-        (p / "packio.json").write_text(json.dumps(m))
+        (p / "packio.json").write_text(json.dumps(sealed(m)))
         case(f"count_{fmt}", "read", p)
     import h5py
 
@@ -197,7 +197,7 @@ def world(tmp_path_factory) -> dict:
     with h5py.File(p, "r+") as f:
         m = json.loads(f.attrs["packio_manifest"])
         m["count"] = 10**12
-        f.attrs["packio_manifest"] = json.dumps(m)
+        f.attrs["packio_manifest"] = json.dumps(sealed(m))
     case("count_hdf5", "read", p)
 
     # lying .npy headers: labels claiming 10**12 rows; records index claiming more than its file
@@ -210,7 +210,7 @@ def world(tmp_path_factory) -> dict:
     _npy_shape(p / "records.idx.npy", f"({n + 1},)", f"({n + 2},)")
     m = json.loads((p / "packio.json").read_text())
     m["count"] = n + 1
-    (p / "packio.json").write_text(json.dumps(m))
+    (p / "packio.json").write_text(json.dumps(sealed(m)))
     case("npy_idx_header", "read", p)
 
     # tar index sizes of 2**40, and an offset past the shard's end
@@ -270,7 +270,7 @@ def world(tmp_path_factory) -> dict:
     # deeply nested JSON: a manifest; a tar record (also with on_error="skip")
     p = pack("deep_manifest.lmdb")
     m = json.loads((p / "packio.json").read_text())
-    text = json.dumps(m)
+    text = json.dumps(sealed(m))
     (p / "packio.json").write_text(text[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
     case("deep_json_manifest", "read", p)
     p = pack("deep_record.wds")
@@ -607,19 +607,21 @@ def test_default_check_skips_damaged_jpegs_it_decodes_anyway(damaged_folder, tmp
     assert s.packed == 3  # lenient: re-encoded with made-up pixels
 
 
-def test_damaged_jpegs_stored_as_found_fail_verified_reads(damaged_folder, tmp_path):
+def test_damaged_jpegs_stored_as_found_fail_reads(damaged_folder, tmp_path):
+    """Read-time decode is strict by default (no made-up grey pixels), with or without verify."""
     s = packio.convert(damaged_folder, tmp_path / "o.lmdb", progress=False)  # stored as found: header checks pass
     assert s.packed == 3
     keys = {packio.open_dataset(tmp_path / "o.lmdb", decode=False)[i]["key"]: i for i in range(3)}
-    lenient = packio.open_dataset(tmp_path / "o.lmdb")
-    assert lenient[keys["c/garbage.jpg"]]["image"].shape[0] == 3  # decodes to made-up pixels
-    strict = packio.open_dataset(tmp_path / "o.lmdb", verify=True)
-    for name in ("c/garbage.jpg", "c/cut.jpg"):
-        with pytest.raises(packio.CorruptSampleError, match="corrupt JPEG data"):
-            strict[keys[name]]
-    assert strict[keys["c/good.jpg"]]["image"].shape[0] == 3
-    skipping = packio.open_dataset(tmp_path / "o.lmdb", verify=True, on_error="skip")
-    assert [skipping[i] is None for i in range(3)].count(True) == 2
+    for kw in ({}, {"verify": True}, {"resize": 32}):
+        ds = packio.open_dataset(tmp_path / "o.lmdb", **kw)
+        for name in ("c/garbage.jpg", "c/cut.jpg"):
+            with pytest.raises(packio.CorruptSampleError, match="corrupt JPEG data"):
+                ds[keys[name]]
+        assert ds[keys["c/good.jpg"]]["image"].shape[0] == 3
+        skipping = packio.open_dataset(tmp_path / "o.lmdb", on_error="skip", **kw)
+        assert [skipping[i] is None for i in range(3)].count(True) == 2
+        batch = packio.collate(skipping.__getitems__([0, 1, 2]))
+        assert len(batch["key"]) == 1 and batch["key"][0] == "c/good.jpg"
 
 
 # ---------------------------------------------------------------- disk full

@@ -23,6 +23,7 @@ from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.formats import formats
 from packio.manifest import Manifest
 from packio.sample import sample_from_record
+from conftest import sealed
 
 SUFFIX = {name: spec.suffixes[0] for name, spec in formats().items()}
 RESIZE = {"arrays": packio.ResizeSpec(size=(48, 64)), "bmp": packio.ResizeSpec(short_side=40)}
@@ -182,14 +183,14 @@ def test_truncated_shard_and_wrong_manifest(gen_folder, tmp_path):
             ds[i]
     m = json.loads((path / "packio.json").read_text())
     m["count"] = 99
-    (path / "packio.json").write_text(json.dumps(m))
+    (path / "packio.json").write_text(json.dumps(sealed(m)))
     with pytest.raises(FormatError, match="does not match the manifest"):
         packio.open_dataset(path)
     (tmp_path / "l").mkdir()
     lm = _pack(gen_folder, tmp_path / "l", "lmdb")
     m = json.loads((lm / "packio.json").read_text())
     m["count"] = 3
-    (lm / "packio.json").write_text(json.dumps(m))
+    (lm / "packio.json").write_text(json.dumps(sealed(m)))
     with pytest.raises(FormatError, match="manifest says 3"):
         packio.open_dataset(lm)[0]
 

@@ -17,7 +17,7 @@ PUBLIC = [
     "LMDBDataset", "LMDBIterableDataset", "Manifest", "OutputBusyError", "OutputExistsError", "PackOptions",
     "PackedDataset", "PackedIterableDataset", "PackioError", "RemoteError", "ResizeSpec", "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset",
     "TarIterableDataset", "collate",
-    "convert", "open_dataset", "open_reader", "show", "tune", "verify",
+    "convert", "open_dataset", "open_reader", "show", "trust_manifest", "tune", "verify",
 ]
 
 

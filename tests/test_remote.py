@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import sealed
+
 import packio
 from packio import decode as dec
 from packio.errors import FormatError, OutputExistsError, RemoteError, SourceError
@@ -250,7 +252,7 @@ def test_a_strangers_manifest_cannot_name_paths_outside(tmp_path, http_server, g
     packio.convert(src, http_server.root / "ds.wds", shard_samples=4, progress=False)
     manifest = json.loads((http_server.root / "ds.wds" / "packio.json").read_text())
     manifest["files"]["../../escape.tar"] = manifest["files"].pop("shard-000000.tar")
-    (http_server.root / "ds.wds" / "packio.json").write_text(json.dumps(manifest))
+    (http_server.root / "ds.wds" / "packio.json").write_text(json.dumps(sealed(manifest)))
     with pytest.raises(FormatError, match="escape.tar"):
         packio.open_dataset(f"{http_server.url}/ds.wds", cache_dir=tmp_path / "cache")
     with pytest.raises(FormatError, match="no packio.json"):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import sealed
+
 import packio
 from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError, RemoteError,
                            RemoteTimeoutError, RemoteUnreachableError, SourceError)
@@ -148,7 +150,7 @@ def test_percent_encoded_parent_is_refused(served, tmp_path):
     mpath = server.root / "ds.wds" / "packio.json"
     m = json.loads(mpath.read_text())
     m["files"]["%2e%2e/%2e%2e/secret.bin"] = {"bytes": 6}
-    mpath.write_text(json.dumps(m))
+    mpath.write_text(json.dumps(sealed(m)))
     with pytest.raises(FormatError, match="secret.bin"):
         packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
 

@@ -10,10 +10,37 @@ every ancestor (the tightest limit wins, as the kernel enforces it).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+from packio.errors import PackioError
+
+# What each option may be: (low, high); a float option must also be finite. The CLI parses with the same ranges.
+RANGES: dict[str, tuple[float, float]] = {
+    "size": (8, 4096), "batch_size": (1, 4096), "seconds": (1.0, 86400.0), "fraction": (1e-9, 1.0),
+    "min_samples": (1, 10**7), "max_samples": (1, 10**7), "step_ms": (1e-3, 1e7), "gpu_decode_ms": (0.0, 1e7),
+    "cpus": (1, 4096)}
+MAX_BATCH_BYTES = 4 << 30  # one decoded batch (batch_size x size x size x 3)
+
+
+def check_options(**opts: Any) -> None:
+    """Refuse an option out of its range (``None``: not given) with the range in the message."""
+    for name, v in opts.items():
+        lo, hi = RANGES[name]
+        if v is None and name in ("step_ms", "gpu_decode_ms", "cpus"):
+            continue
+        number = isinstance(v, numbers.Real) and not isinstance(v, bool)
+        whole = isinstance(lo, int)
+        if not number or not math.isfinite(v) or (whole and int(v) != v) or not lo <= v <= hi:
+            kind = "an integer" if whole else "a number"
+            raise PackioError(f"doctor: {name} must be {kind} from {lo:g} to {hi:g}, not {v!r}")
+    if opts["batch_size"] * opts["size"] ** 2 * 3 > MAX_BATCH_BYTES:
+        raise PackioError(f"doctor: a batch of {opts['batch_size']} images of {opts['size']}x{opts['size']} takes "
+                          f"over {MAX_BATCH_BYTES >> 30} GiB; lower --batch-size or --size")
+
 
 __all__ = ["Budget", "physical_memory", "budget"]
 

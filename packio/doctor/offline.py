@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from packio.doctor import candidates as cand
-from packio.doctor.limits import CGROUP_ROOT, Budget, budget
+from packio.doctor.limits import CGROUP_ROOT, Budget, budget, check_options
 from packio.doctor.measure import Rate
 from packio.doctor.candidates import Candidate
 from packio.doctor.gpu import GpuVerdict, measure_gpu_decode, verdict
@@ -120,8 +120,8 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     in the notes). Every layout is measured; the report says how long it took.
     ``gpu_decode_ms``: a declared nvjpeg time per batch, used only without CUDA.
     """
-    if size <= 0 or batch_size <= 0 or seconds <= 0:
-        raise PackioError("size, batch size and seconds must be positive")
+    check_options(size=size, batch_size=batch_size, seconds=seconds, fraction=fraction, min_samples=min_samples,
+                  max_samples=max_samples, step_ms=step_ms, gpu_decode_ms=gpu_decode_ms, cpus=cpus)
     say = log or (lambda _msg: None)
     t0 = time.perf_counter()
     b = budget(cgroup_root)
@@ -263,7 +263,7 @@ def _measure_stored(run: _Run, c: Candidate, trial_s: float) -> None:
     run.say(f"timing {c.title} ...")
     try:
         index = np.asarray(run.idx)[cand.repeat_index(len(run.idx), run.batch_size)]
-        ds = cand.IndexedDataset(run.src.path, index, resize=run.size)
+        ds = cand.IndexedDataset(run.src.path, index, resize=run.size, on_error="skip")  # a damaged one: dropped
         c.measured(*run.rate(ds, trial_s))
     except PackioError as exc:
         c.error = str(exc)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from packio.errors import PackioError, SourceError
+from packio.errors import CorruptSampleError, PackioError, SourceError
 from packio.manifest import MANIFEST_NAME, disk_bytes
 
 __all__ = ["Source", "disk_bytes", "open_source"]
@@ -67,7 +67,10 @@ class Source:
                 link.parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(os.path.abspath(self._paths[i]), link)
                 continue
-            s = self._reader.read(i)
+            try:
+                s = self._reader.read(i)
+            except CorruptSampleError:  # damaged: left out of the sample (measure_stages counts it)
+                continue
             data, enc = (dec.encode(s.payload, "png"), "png") if isinstance(s.payload, np.ndarray) else (
                 bytes(s.payload), s.encoding)
             folder = dst / (f"label_{s.label:05d}" if s.label >= 0 else "unlabelled")

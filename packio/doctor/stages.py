@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from packio import decode as dec
 from packio.collation import collate
+from packio.errors import CorruptSampleError
 
 __all__ = ["StageCosts", "measure_stages", "transfer_cost"]
 
@@ -110,7 +111,10 @@ def _measure(layout: str, payload: Callable[[int], bytes | np.ndarray], indices:
 def _one(payload: Callable[[int], bytes | np.ndarray], i: int, size: int) -> tuple | None:
     """((read, decode, resize) seconds, decoded image, resized image, stored (h, w) or None) for sample ``i``."""
     t0 = time.perf_counter()
-    data = payload(i)
+    try:
+        data = payload(i)
+    except CorruptSampleError:  # one damaged record: counted as skipped, the diagnosis goes on
+        return None
     t1 = time.perf_counter()
     try:
         img = data if isinstance(data, np.ndarray) else dec.decode(data, min_size=(size, size))

@@ -15,6 +15,7 @@ import io
 import os
 import re
 import tarfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = ["TarWriter", "TarReader", "FORMAT", "tar_pattern"]
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX = "index.npy"
+MAX_OPEN_SHARDS = 64  # shard descriptors one reader keeps open per process
 
 
 def _member(name: str, data: bytes | memoryview) -> tuple[tarfile.TarInfo, io.BytesIO]:
@@ -162,6 +164,9 @@ def _scan(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[st
                 if key not in groups:
                     groups[key] = {}
                     order.append(key)
+                if ext.lower() in groups[key]:  # never let a later member replace the first one silently
+                    raise FormatError(f"{shard}: member {m.name!r} repeats the key {key!r} (a duplicate key: two "
+                                      f"samples would be one); give every sample its own key in the shard")
                 groups[key][ext.lower()] = m
             labels: list[int] = []
             rows, keys = [], []
@@ -234,8 +239,26 @@ def _brace(names: list[str]) -> str | None:
     return f"{f[1]}{{{nums[0]:0{w}d}..{nums[-1]:0{w}d}}}{f[3] or ''}"
 
 
+def _fitting(extra: Any) -> dict[str, Any]:
+    """The fields of another tool's ``.json`` that fit packio's record (an int label,
+    boxes — with their box labels, or -1 each when it has none —, sizes, key); the
+    rest (a text label, captions, ...) is ignored."""
+    if not isinstance(extra, dict):
+        return {}
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    fit = {k: extra[k] for k in ("label", "width", "height") if whole(extra.get(k))}
+    fit.update({k: extra[k] for k in ("key", "checksum") if isinstance(extra.get(k), str)})
+    boxes, box_labels = extra.get("boxes"), extra.get("box_labels")
+    if isinstance(boxes, list):
+        if not (isinstance(box_labels, list) and len(box_labels) == len(boxes)):
+            box_labels = [-1] * len(boxes)
+        fit.update(boxes=boxes, box_labels=box_labels)
+    return fit
+
+
 class TarReader(Reader):
-    """Random access through the member index; one open file per shard per process."""
+    """Random access through the member index; shards open on first use, at most
+    ``MAX_OPEN_SHARDS`` at a time per process."""
 
     COUNT_FILE = None  # the index's header must hold the manifest's count, and fit its file
 
@@ -313,16 +336,22 @@ class TarReader(Reader):
         return cls(p if p.is_dir() else p.parent, manifest, shards=shards, index=index, foreign=foreign)
 
     def _open(self) -> None:
-        self._h_fds = {}
+        self._h_fds: OrderedDict[int, tuple[int, int]] = OrderedDict()
 
     def _fd(self, shard: int) -> tuple[int, int]:
-        """(descriptor, size) of a shard, opened once per process."""
+        """(descriptor, size) of a shard, opened on first use; at most ``MAX_OPEN_SHARDS``
+        stay open per process (least recently used closed first), so thousands of
+        shards fit any descriptor limit."""
         fds = self._h_fds
-        if shard not in fds:
-            fd = limits.open_regular(self.shards[shard])
-            fds[shard] = (fd, os.fstat(fd).st_size)
-            if self.foreign is None:
-                self._check_root()  # a shard opened late must come from the dataset the index describes
+        if shard in fds:
+            fds.move_to_end(shard)
+            return fds[shard]
+        while len(fds) >= MAX_OPEN_SHARDS:
+            os.close(fds.popitem(last=False)[1][0])
+        fd = limits.open_regular(self.shards[shard])
+        fds[shard] = (fd, os.fstat(fd).st_size)
+        if self.foreign is None:
+            self._check_root()  # a shard opened late must come from the dataset the index describes
         return fds[shard]
 
     def _drop_handles(self) -> None:
@@ -362,9 +391,11 @@ class TarReader(Reader):
                     extra = self._record(shard, joff, jsize, i)
                 except CorruptSampleError:
                     extra = None  # another tool's .json: use what fits packio's record, else ignore it
-                if isinstance(extra, dict):
-                    rec.update({k: extra[k] for k in ("boxes", "box_labels", "label", "width", "height",
-                                                      "checksum", "key") if k in extra})
+                fit = _fitting(extra)
+                try:
+                    return decode_stored({**rec, **fit}, payload, f"#{i}")
+                except CorruptSampleError:
+                    pass  # the parts that looked like packio's do not hold together: the image alone
         return decode_stored(rec, payload, f"#{i}")
 
     def units(self) -> list[range]:
