@@ -236,3 +236,57 @@ def test_killed_upload_staging_is_cleaned(gen_folder, tmp_path, bucket, s3_serve
     src, csv = gen_folder
     packio.convert(src, f"s3://{bucket}/st.wds", csv=csv, progress=False, tmp_dir=tmp_path / "tmp")
     assert not stale.exists() and not list((tmp_path / "tmp").iterdir())
+
+
+_FORK_SCENARIO = r"""
+import json, shutil, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import packio
+from servers import RangeHTTPServer
+
+root = Path(sys.argv[2])
+srv = RangeHTTPServer(root).start()
+url = f"{srv.url}/ds.wds"
+fast = dict(retries=2, timeout=2.0, retry_seconds=4.0, decode=False)
+for run in range(2):
+    cache = root / f"cache{run}"
+    stream = packio.open_dataset(url, iterable=True, shuffle=True, seed=run, cache_dir=cache, **fast)
+    stream.reader.read(0)  # a peek in the main process: it has a live client (and sockets) when workers fork
+    loader = packio.DataLoader(stream, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    for n, _ in enumerate(loader):
+        if n == 4:
+            state = json.loads(json.dumps(loader.state_dict()))
+            break
+    local = packio.open_dataset(root / "ds.wds", iterable=True, shuffle=True, seed=run, decode=False)
+    resumed = packio.DataLoader(local, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    resumed.load_state_dict(state)
+    rest = sum(len(b["key"]) for b in resumed)
+    shutil.rmtree(cache)  # what the workers cached: the main process reads over the network again
+    t0 = time.monotonic()
+    keys = [stream.reader.read(i).key for i in range(1, 14)]  # the parent's client still works
+    print(run, rest, len(keys), round(time.monotonic() - t0, 2), flush=True)
+srv.stop()
+print("done")
+"""
+
+
+def test_fork_workers_leave_the_parent_and_each_other_clean(gen_folder, tmp_path):
+    """Issue 29's fork hang: a worker forked from a process with a live HTTP client freed
+    the parent's client, closing the parent's sockets through their shared epoll; the
+    parent's next read waited for its read timeout (forever before timeouts). Two runs
+    in one child under a timeout: no stall, no retry, no traceback on stderr."""
+    import subprocess
+    import sys
+
+    src, csv = gen_folder
+    packio.convert(src, tmp_path / "ds.wds", csv=csv, shard_samples=2, progress=False)
+    here = str(Path(__file__).parent)
+    proc = subprocess.run([sys.executable, "-c", _FORK_SCENARIO, here, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.endswith("done\n"), proc.stderr[-3000:]
+    for line in proc.stdout.splitlines()[:-1]:
+        run, rest, keys, seconds = line.split()
+        assert int(rest) == 14 - 10 and int(keys) == 13 and float(seconds) < 1.5, line
+    for bad in ("Traceback", "never retrieved", "different loop", "retrying", "Error"):
+        assert bad not in proc.stderr, proc.stderr[-3000:]

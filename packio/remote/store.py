@@ -16,6 +16,7 @@ import os
 import random
 import re
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -99,6 +100,29 @@ def _defaults(url: str, options: dict[str, Any], timeout: float) -> dict[str, An
                                          "connect_timeout": timeout, "read_timeout": timeout}}
 
 
+_LIVE: "weakref.WeakSet[Store]" = weakref.WeakSet()
+_INHERITED: list[Any] = []  # in a forked child: the parent's clients, kept unused and never closed
+
+
+def _forget_parent_clients() -> None:
+    """In a forked child: drop every store's client without closing or freeing it.
+
+    A client made before the fork holds the parent's event loop, sockets and epoll
+    instance, all shared with the child. Freeing it here runs fsspec's finalizer,
+    which closes those sockets from the child: that unregisters them from the
+    parent's epoll, and the parent's next read on them waits for its read timeout
+    (forever without one: the fork hang of issue 29). Kept referenced, nothing
+    touches them; the child makes its own client on first use."""
+    for store in list(_LIVE):
+        if store._fs is not None:
+            _INHERITED.append(store._fs[1])
+            store._fs = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_clients)
+
+
 class Store:
     """``url`` (a dataset folder or file) and everything below it."""
 
@@ -107,6 +131,11 @@ class Store:
         self.options = dict(storage_options or {})
         self.retry = retry or Retry()
         self._fs: tuple[int, Any, str] | None = None
+        _LIVE.add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _LIVE.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _fs=None)
