@@ -39,8 +39,27 @@ class _Hostile(http.server.SimpleHTTPRequestHandler):
         self._serve(True)
 
     def _serve(self, body: bool) -> None:
-        mode = self.server.mode  # type: ignore[attr-defined]
+        server = self.server
+        if self.path.startswith("/__mode/"):  # a client in another process switches the misbehaviour
+            server.mode, server.tars, server.directory = self.path[8:], 0, server.root  # type: ignore[attr-defined]
+            self.send_response(204)
+            self.end_headers()
+            return
+        mode = server.mode  # type: ignore[attr-defined]
+        self.directory = str(server.directory)  # type: ignore[attr-defined]  # kept-alive connections too
         path = Path(self.translate_path(self.path))
+        if path.suffix == ".tar" and body:
+            server.tars += 1  # type: ignore[attr-defined]
+            if mode == "replace" and server.tars == 3:  # re-uploaded mid-epoch, in place
+                server.directory = server.root.parent / "www2"  # type: ignore[attr-defined]
+                self.directory = str(server.directory)  # type: ignore[attr-defined]
+                path = Path(self.translate_path(self.path))
+            if mode == "burst" and server.tars <= 4:  # 5xx, then it recovers
+                self.send_error(503)
+                return
+        if mode in ("endless_shard", "lying") and path.suffix == ".tar" and body:
+            self._misbehave(mode, path)
+            return
         if mode == "endless" and path.name == "packio.json":
             self.send_response(200)
             self.send_header("Connection", "close")
@@ -77,15 +96,37 @@ class _Hostile(http.server.SimpleHTTPRequestHandler):
             return
         self.wfile.write(data[start:end])
 
+    def _misbehave(self, mode: str, path: Path) -> None:
+        """``endless_shard``: a 206 (or 200) whose body never ends (64 MiB, then the server
+        gives up); ``lying``: a Content-Length 1000 bytes longer than the body sent."""
+        data = path.read_bytes()
+        self.send_response(206 if self.headers.get("Range") else 200)
+        if mode == "lying":
+            self.send_header("Content-Length", str(len(data) + 1000))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            if mode == "lying":
+                self.wfile.write(data)
+                return
+            sent = 0
+            while sent < (64 << 20):
+                self.wfile.write(b"\0" * (1 << 20))
+                sent += 1 << 20
+                self.server.endless_sent = max(self.server.endless_sent, sent)  # type: ignore[attr-defined]
+        except OSError:
+            pass
+
 
 @pytest.fixture
 def hostile(tmp_path):
     root = tmp_path / "www"
     root.mkdir()
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: _Hostile(*a, directory=str(root),
-                                                                                          **k))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: _Hostile(
+        *a, directory=str(httpd.directory), **k))
     httpd.daemon_threads = True
-    httpd.mode, httpd.sent, httpd.root = "", 0, root
+    httpd.mode, httpd.sent, httpd.root, httpd.directory, httpd.tars = "", 0, root, root, 0
+    httpd.endless_sent = 0
     httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
@@ -290,3 +331,68 @@ def test_fork_workers_leave_the_parent_and_each_other_clean(gen_folder, tmp_path
         assert int(rest) == 14 - 10 and int(keys) == 13 and float(seconds) < 1.5, line
     for bad in ("Traceback", "never retrieved", "different loop", "retrying", "Error"):
         assert bad not in proc.stderr, proc.stderr[-3000:]
+
+
+_LOADER_CHILD = r"""
+import json, resource, sys, time, urllib.request
+limit_as, limit_fsize = int(sys.argv[3]), int(sys.argv[4])
+resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit_fsize, limit_fsize))
+import packio
+from packio.errors import PackioError
+
+server, cache = sys.argv[1], sys.argv[2]
+fast = dict(retries=3, timeout=0.5, retry_seconds=2.0, decode=False)
+for mode in sys.argv[5].split(","):
+    for iterable in (True, False) if mode != "stall" else (True,):  # map-style stalls: test_stalled_body...
+        urllib.request.urlopen(f"{server}/__mode/{mode}", timeout=5).read()
+        ds = packio.open_dataset(f"{server}/ds.wds", iterable=iterable, cache_dir=f"{cache}/{mode}{iterable}",
+                                 **fast)
+        loader = packio.DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="fork")
+        t0, keys, out = time.monotonic(), [], ""
+        try:
+            keys = [k for b in loader for k in b["key"]]
+        except Exception as exc:  # a worker's error comes back as its class when torch can rebuild it
+            text = str(exc)
+            named = [n for n in ("DatasetReplacedError", "RemoteTimeoutError", "RangeNotSupportedError",
+                                 "RemoteError", "CorruptSampleError") if n in text]
+            out = type(exc).__name__ if isinstance(exc, PackioError) else (named[0] if named else repr(exc)[:300])
+        print(json.dumps([mode, iterable, round(time.monotonic() - t0, 1), len(keys), len(set(keys)), out]),
+              flush=True)
+"""
+
+# what each misbehaviour must end in: a packio error class, or every sample once
+_EXPECT = {
+    "stall": {"RemoteTimeoutError"},
+    "endless_shard": {"RemoteError", "RangeNotSupportedError"},
+    "lying": {"RemoteError", "RangeNotSupportedError"},  # a short body: the range came back short
+    "norange": {"", "RangeNotSupportedError"},  # a stream needs no ranges; map-style reads do
+    "burst": {""},
+    "replace": {"DatasetReplacedError", "RemoteError", "CorruptSampleError"},
+}
+
+
+def test_dataloader_over_a_hostile_server_finishes_or_fails_clearly(served, tmp_path, gen_folder):
+    """Two fork workers, streaming and map-style, against each misbehaviour, in a child under
+    RLIMIT_AS / RLIMIT_FSIZE and a timeout: each run ends within the retry budget with every
+    sample once or a packio error, never a hang, a blow-up or a foreign exception."""
+    import subprocess
+    import sys
+
+    server, url = served
+    src, csv = gen_folder
+    for p in sorted(src.rglob("*.jpg"))[:3]:
+        p.unlink()
+    (server.root.parent / "www2").mkdir()
+    packio.convert(src, server.root.parent / "www2" / "ds.wds", shard_samples=4, progress=False)
+    proc = subprocess.run([sys.executable, "-c", _LOADER_CHILD, server.url, str(tmp_path / "c"), str(4 << 30),
+                           str(8 << 20), ",".join(_EXPECT)], capture_output=True, text=True, timeout=240)
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    print(*rows, sep="\n")  # shown with -s
+    assert proc.returncode == 0 and len(rows) == 2 * len(_EXPECT) - 1, proc.stderr[-3000:]
+    for mode, iterable, seconds, n, distinct, error in rows:
+        assert error in _EXPECT[mode], (mode, iterable, error)
+        assert error or (n == distinct == 14), (mode, iterable, n, distinct)
+        assert seconds < 25, (mode, iterable, seconds)
+    assert server.sent == 0  # nothing asked for the manifest without end
+    assert server.endless_sent < 32 << 20  # an endless body is dropped at its size, not read to its end
