@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import packio
-from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError, RemoteError,
-                           RemoteTimeoutError, RemoteUnreachableError, SourceError)
+from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError, RemoteAccessError,
+                           RemoteError, RemoteTimeoutError, RemoteUnreachableError, SourceError)
 
 pytest.importorskip("fsspec", reason="remote tests need packio[remote]")
 FAST = dict(retries=2, timeout=1.0, retry_seconds=3.0)
@@ -46,6 +46,9 @@ class _Hostile(http.server.SimpleHTTPRequestHandler):
             self.end_headers()
             return
         mode = server.mode  # type: ignore[attr-defined]
+        if mode == "forbid":
+            self.send_error(403)
+            return
         self.directory = str(server.directory)  # type: ignore[attr-defined]  # kept-alive connections too
         path = Path(self.translate_path(self.path))
         if path.suffix == ".tar" and body:
@@ -396,3 +399,58 @@ def test_dataloader_over_a_hostile_server_finishes_or_fails_clearly(served, tmp_
         assert seconds < 25, (mode, iterable, seconds)
     assert server.sent == 0  # nothing asked for the manifest without end
     assert server.endless_sent < 32 << 20  # an endless body is dropped at its size, not read to its end
+
+
+def test_whole_file_dataset_replaced_is_not_stale_and_opens_keep_no_descriptors(hostile, gen_folder, tmp_path):
+    """HDF5 (cached whole) over HTTP: the cache key is the object's identity, so the file
+    replaced at the same URL is downloaded again; 200 opens hold no descriptor each."""
+    pytest.importorskip("h5py")
+    src, csv = gen_folder
+    packio.convert(src, hostile.root / "ds.h5", csv=csv, progress=False)
+    url, cache = f"{hostile.url}/ds.h5", tmp_path / "c"
+    before = {packio.open_reader(url, cache_dir=cache).read(i).key for i in range(14)}
+    for p in sorted(src.rglob("*.jpg"))[:3]:
+        p.unlink()
+    time.sleep(1.1)  # a new modification time as well as a new size
+    packio.convert(src, hostile.root / "ds.h5", overwrite=True, progress=False)
+    after = packio.open_reader(url, cache_dir=cache)
+    assert len(after) == 11 and {after.read(i).key for i in range(11)} < before
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        packio.open_reader(url, cache_dir=cache).close()
+    assert len(os.listdir("/proc/self/fd")) - fds < 10
+
+
+def test_remote_index_with_a_lying_header_is_refused(served, tmp_path):
+    """index.npy claiming 10^12 rows: refused from its header (packio's checked loader),
+    in a child under RLIMIT_AS (np.load would try to allocate it)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    server, url = served
+    idx = server.root / "ds.wds" / "index.npy"
+    arr = np.load(idx)
+    header = np.lib.format.header_data_from_array_1_0(arr)
+    header["shape"] = (10**12, 5)
+    with open(idx, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        f.write(arr.tobytes())
+    m = json.loads((server.root / "ds.wds" / "packio.json").read_text())
+    m["files"]["index.npy"] = {"bytes": idx.stat().st_size}  # the manifest agrees with the lie
+    (server.root / "ds.wds" / "packio.json").write_text(json.dumps(m))
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30,) * 2)\n"
+            "import packio\n"
+            "try:\n    packio.open_reader(sys.argv[1], cache_dir=sys.argv[2], retries=1)\n"
+            "except packio.errors.PackioError as e:\n    print('PACKIO', type(e).__name__, e)\n")
+    proc = subprocess.run([sys.executable, "-c", code, url, str(tmp_path / "c")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.startswith("PACKIO FormatError") and "index.npy" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_forbidden_is_an_access_error(served, tmp_path):
+    server, url = served
+    server.mode = "forbid"
+    with pytest.raises(RemoteAccessError, match="access denied"):
+        packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)

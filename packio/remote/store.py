@@ -181,6 +181,8 @@ class Store:
                 raise
             except FileNotFoundError as exc:
                 cause = exc.__cause__  # fsspec's http client turns every failure into this
+                if cause is not None and _status(cause) in (401, 403):
+                    raise _error("permanent", what, url, cause, k + 1) from None
                 if cause is not None and _kind(cause) in ("unreachable", "timeout"):
                     self._retry_or_raise(what, url, cause, k, deadline)
                     continue
