@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import packio
-from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError, RemoteAccessError,
-                           RemoteError, RemoteTimeoutError, RemoteUnreachableError, SourceError)
+from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError,
+                           RemoteAccessError, RemoteError, RemoteTimeoutError, RemoteUnreachableError, SourceError)
 
 pytest.importorskip("fsspec", reason="remote tests need packio[remote]")
 FAST = dict(retries=2, timeout=1.0, retry_seconds=3.0)

@@ -327,7 +327,8 @@ def _http_range(fs: Any, path: str, start: int, end: int, url: str) -> bytes:
             chunks.append(b)
             got += len(b)
     if got != want:
-        raise RangeNotSupportedError(f"{url}: asked for {want} bytes at {start}, got {'more' if got > want else 'the whole file' if got < 0 else got}"
+        what = "more" if got > want else "the whole file" if got < 0 else got
+        raise RangeNotSupportedError(f"{url}: asked for {want} bytes at {start}, got {what}"
                                      f": the server does not honour byte ranges; serve the dataset from a server "
                                      f"that does, or read it as a stream (iterable=True)")
     return b"".join(chunks)
