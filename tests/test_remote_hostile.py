@@ -17,8 +17,8 @@ import pytest
 from conftest import sealed
 
 import packio
-from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError, RemoteError,
-                           RemoteTimeoutError, RemoteUnreachableError, SourceError)
+from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError,
+                           RemoteAccessError, RemoteError, RemoteTimeoutError, RemoteUnreachableError, SourceError)
 
 pytest.importorskip("fsspec", reason="remote tests need packio[remote]")
 FAST = dict(retries=2, timeout=1.0, retry_seconds=3.0)
@@ -41,8 +41,30 @@ class _Hostile(http.server.SimpleHTTPRequestHandler):
         self._serve(True)
 
     def _serve(self, body: bool) -> None:
-        mode = self.server.mode  # type: ignore[attr-defined]
+        server = self.server
+        if self.path.startswith("/__mode/"):  # a client in another process switches the misbehaviour
+            server.mode, server.tars, server.directory = self.path[8:], 0, server.root  # type: ignore[attr-defined]
+            self.send_response(204)
+            self.end_headers()
+            return
+        mode = server.mode  # type: ignore[attr-defined]
+        if mode == "forbid":
+            self.send_error(403)
+            return
+        self.directory = str(server.directory)  # type: ignore[attr-defined]  # kept-alive connections too
         path = Path(self.translate_path(self.path))
+        if path.suffix == ".tar" and body:
+            server.tars += 1  # type: ignore[attr-defined]
+            if mode == "replace" and server.tars == 3:  # re-uploaded mid-epoch, in place
+                server.directory = server.root.parent / "www2"  # type: ignore[attr-defined]
+                self.directory = str(server.directory)  # type: ignore[attr-defined]
+                path = Path(self.translate_path(self.path))
+            if mode == "burst" and server.tars <= 4:  # 5xx, then it recovers
+                self.send_error(503)
+                return
+        if mode in ("endless_shard", "lying") and path.suffix == ".tar" and body:
+            self._misbehave(mode, path)
+            return
         if mode == "endless" and path.name == "packio.json":
             self.send_response(200)
             self.send_header("Connection", "close")
@@ -79,15 +101,37 @@ class _Hostile(http.server.SimpleHTTPRequestHandler):
             return
         self.wfile.write(data[start:end])
 
+    def _misbehave(self, mode: str, path: Path) -> None:
+        """``endless_shard``: a 206 (or 200) whose body never ends (64 MiB, then the server
+        gives up); ``lying``: a Content-Length 1000 bytes longer than the body sent."""
+        data = path.read_bytes()
+        self.send_response(206 if self.headers.get("Range") else 200)
+        if mode == "lying":
+            self.send_header("Content-Length", str(len(data) + 1000))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            if mode == "lying":
+                self.wfile.write(data)
+                return
+            sent = 0
+            while sent < (64 << 20):
+                self.wfile.write(b"\0" * (1 << 20))
+                sent += 1 << 20
+                self.server.endless_sent = max(self.server.endless_sent, sent)  # type: ignore[attr-defined]
+        except OSError:
+            pass
+
 
 @pytest.fixture
 def hostile(tmp_path):
     root = tmp_path / "www"
     root.mkdir()
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: _Hostile(*a, directory=str(root),
-                                                                                          **k))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: _Hostile(
+        *a, directory=str(httpd.directory), **k))
     httpd.daemon_threads = True
-    httpd.mode, httpd.sent, httpd.root = "", 0, root
+    httpd.mode, httpd.sent, httpd.root, httpd.directory, httpd.tars = "", 0, root, root, 0
+    httpd.endless_sent = 0
     httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
@@ -238,3 +282,177 @@ def test_killed_upload_staging_is_cleaned(gen_folder, tmp_path, bucket, s3_serve
     src, csv = gen_folder
     packio.convert(src, f"s3://{bucket}/st.wds", csv=csv, progress=False, tmp_dir=tmp_path / "tmp")
     assert not stale.exists() and not list((tmp_path / "tmp").iterdir())
+
+
+_FORK_SCENARIO = r"""
+import json, shutil, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import packio
+from servers import RangeHTTPServer
+
+root = Path(sys.argv[2])
+srv = RangeHTTPServer(root).start()
+url = f"{srv.url}/ds.wds"
+fast = dict(retries=2, timeout=2.0, retry_seconds=4.0, decode=False)
+for run in range(2):
+    cache = root / f"cache{run}"
+    stream = packio.open_dataset(url, iterable=True, shuffle=True, seed=run, cache_dir=cache, **fast)
+    stream.reader.read(0)  # a peek in the main process: it has a live client (and sockets) when workers fork
+    loader = packio.DataLoader(stream, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    for n, _ in enumerate(loader):
+        if n == 4:
+            state = json.loads(json.dumps(loader.state_dict()))
+            break
+    local = packio.open_dataset(root / "ds.wds", iterable=True, shuffle=True, seed=run, decode=False)
+    resumed = packio.DataLoader(local, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    resumed.load_state_dict(state)
+    rest = sum(len(b["key"]) for b in resumed)
+    shutil.rmtree(cache)  # what the workers cached: the main process reads over the network again
+    t0 = time.monotonic()
+    keys = [stream.reader.read(i).key for i in range(1, 14)]  # the parent's client still works
+    print(run, rest, len(keys), round(time.monotonic() - t0, 2), flush=True)
+srv.stop()
+print("done")
+"""
+
+
+def test_fork_workers_leave_the_parent_and_each_other_clean(gen_folder, tmp_path):
+    """Issue 29's fork hang: a worker forked from a process with a live HTTP client freed
+    the parent's client, closing the parent's sockets through their shared epoll; the
+    parent's next read waited for its read timeout (forever before timeouts). Two runs
+    in one child under a timeout: no stall, no retry, no traceback on stderr."""
+    import subprocess
+    import sys
+
+    src, csv = gen_folder
+    packio.convert(src, tmp_path / "ds.wds", csv=csv, shard_samples=2, progress=False)
+    here = str(Path(__file__).parent)
+    proc = subprocess.run([sys.executable, "-c", _FORK_SCENARIO, here, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.endswith("done\n"), proc.stderr[-3000:]
+    for line in proc.stdout.splitlines()[:-1]:
+        run, rest, keys, seconds = line.split()
+        assert int(rest) == 14 - 10 and int(keys) == 13 and float(seconds) < 1.5, line
+    for bad in ("Traceback", "never retrieved", "different loop", "retrying", "Error"):
+        assert bad not in proc.stderr, proc.stderr[-3000:]
+
+
+_LOADER_CHILD = r"""
+import json, resource, sys, time, urllib.request
+limit_as, limit_fsize = int(sys.argv[3]), int(sys.argv[4])
+resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit_fsize, limit_fsize))
+import packio
+from packio.errors import PackioError
+
+server, cache = sys.argv[1], sys.argv[2]
+fast = dict(retries=3, timeout=0.5, retry_seconds=2.0, decode=False)
+for mode in sys.argv[5].split(","):
+    for iterable in (True, False) if mode != "stall" else (True,):  # map-style stalls: test_stalled_body...
+        urllib.request.urlopen(f"{server}/__mode/{mode}", timeout=5).read()
+        ds = packio.open_dataset(f"{server}/ds.wds", iterable=iterable, cache_dir=f"{cache}/{mode}{iterable}",
+                                 **fast)
+        loader = packio.DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="fork")
+        t0, keys, out = time.monotonic(), [], ""
+        try:
+            keys = [k for b in loader for k in b["key"]]
+        except Exception as exc:  # a worker's error comes back as its class when torch can rebuild it
+            text = str(exc)
+            named = [n for n in ("DatasetReplacedError", "RemoteTimeoutError", "RangeNotSupportedError",
+                                 "RemoteError", "CorruptSampleError") if n in text]
+            out = type(exc).__name__ if isinstance(exc, PackioError) else (named[0] if named else repr(exc)[:300])
+        print(json.dumps([mode, iterable, round(time.monotonic() - t0, 1), len(keys), len(set(keys)), out]),
+              flush=True)
+"""
+
+# what each misbehaviour must end in: a packio error class, or every sample once
+_EXPECT = {
+    "stall": {"RemoteTimeoutError"},
+    "endless_shard": {"RemoteError", "RangeNotSupportedError"},
+    "lying": {"RemoteError", "RangeNotSupportedError"},  # a short body: the range came back short
+    "norange": {"", "RangeNotSupportedError"},  # a stream needs no ranges; map-style reads do
+    "burst": {""},
+    "replace": {"DatasetReplacedError", "RemoteError", "CorruptSampleError"},
+}
+
+
+def test_dataloader_over_a_hostile_server_finishes_or_fails_clearly(served, tmp_path, gen_folder):
+    """Two fork workers, streaming and map-style, against each misbehaviour, in a child under
+    RLIMIT_AS / RLIMIT_FSIZE and a timeout: each run ends within the retry budget with every
+    sample once or a packio error, never a hang, a blow-up or a foreign exception."""
+    import subprocess
+    import sys
+
+    server, url = served
+    src, csv = gen_folder
+    for p in sorted(src.rglob("*.jpg"))[:3]:
+        p.unlink()
+    (server.root.parent / "www2").mkdir()
+    packio.convert(src, server.root.parent / "www2" / "ds.wds", shard_samples=4, progress=False)
+    proc = subprocess.run([sys.executable, "-c", _LOADER_CHILD, server.url, str(tmp_path / "c"), str(4 << 30),
+                           str(8 << 20), ",".join(_EXPECT)], capture_output=True, text=True, timeout=240)
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    print(*rows, sep="\n")  # shown with -s
+    assert proc.returncode == 0 and len(rows) == 2 * len(_EXPECT) - 1, proc.stderr[-3000:]
+    for mode, iterable, seconds, n, distinct, error in rows:
+        assert error in _EXPECT[mode], (mode, iterable, error)
+        assert error or (n == distinct == 14), (mode, iterable, n, distinct)
+        assert seconds < 25, (mode, iterable, seconds)
+    assert server.sent == 0  # nothing asked for the manifest without end
+    assert server.endless_sent < 32 << 20  # an endless body is dropped at its size, not read to its end
+
+
+def test_whole_file_dataset_replaced_is_not_stale_and_opens_keep_no_descriptors(hostile, gen_folder, tmp_path):
+    """HDF5 (cached whole) over HTTP: the cache key is the object's identity, so the file
+    replaced at the same URL is downloaded again; 200 opens hold no descriptor each."""
+    pytest.importorskip("h5py")
+    src, csv = gen_folder
+    packio.convert(src, hostile.root / "ds.h5", csv=csv, progress=False)
+    url, cache = f"{hostile.url}/ds.h5", tmp_path / "c"
+    before = {packio.open_reader(url, cache_dir=cache).read(i).key for i in range(14)}
+    for p in sorted(src.rglob("*.jpg"))[:3]:
+        p.unlink()
+    time.sleep(1.1)  # a new modification time as well as a new size
+    packio.convert(src, hostile.root / "ds.h5", overwrite=True, progress=False)
+    after = packio.open_reader(url, cache_dir=cache)
+    assert len(after) == 11 and {after.read(i).key for i in range(11)} < before
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        packio.open_reader(url, cache_dir=cache).close()
+    assert len(os.listdir("/proc/self/fd")) - fds < 10
+
+
+def test_remote_index_with_a_lying_header_is_refused(served, tmp_path):
+    """index.npy claiming 10^12 rows: refused from its header (packio's checked loader),
+    in a child under RLIMIT_AS (np.load would try to allocate it)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    server, url = served
+    idx = server.root / "ds.wds" / "index.npy"
+    arr = np.load(idx)
+    header = np.lib.format.header_data_from_array_1_0(arr)
+    header["shape"] = (10**12, 5)
+    with open(idx, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        f.write(arr.tobytes())
+    m = json.loads((server.root / "ds.wds" / "packio.json").read_text())
+    m["files"]["index.npy"] = {"bytes": idx.stat().st_size}  # the manifest agrees with the lie
+    (server.root / "ds.wds" / "packio.json").write_text(json.dumps(m))
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30,) * 2)\n"
+            "import packio\n"
+            "try:\n    packio.open_reader(sys.argv[1], cache_dir=sys.argv[2], retries=1)\n"
+            "except packio.errors.PackioError as e:\n    print('PACKIO', type(e).__name__, e)\n")
+    proc = subprocess.run([sys.executable, "-c", code, url, str(tmp_path / "c")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.startswith("PACKIO FormatError") and "index.npy" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_forbidden_is_an_access_error(served, tmp_path):
+    server, url = served
+    server.mode = "forbid"
+    with pytest.raises(RemoteAccessError, match="access denied"):
+        packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)

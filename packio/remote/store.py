@@ -16,6 +16,7 @@ import os
 import random
 import re
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -99,6 +100,29 @@ def _defaults(url: str, options: dict[str, Any], timeout: float) -> dict[str, An
                                          "connect_timeout": timeout, "read_timeout": timeout}}
 
 
+_LIVE: "weakref.WeakSet[Store]" = weakref.WeakSet()
+_INHERITED: list[Any] = []  # in a forked child: the parent's clients, kept unused and never closed
+
+
+def _forget_parent_clients() -> None:
+    """In a forked child: drop every store's client without closing or freeing it.
+
+    A client made before the fork holds the parent's event loop, sockets and epoll
+    instance, all shared with the child. Freeing it here runs fsspec's finalizer,
+    which closes those sockets from the child: that unregisters them from the
+    parent's epoll, and the parent's next read on them waits for its read timeout
+    (forever without one: the fork hang of issue 29). Kept referenced, nothing
+    touches them; the child makes its own client on first use."""
+    for store in list(_LIVE):
+        if store._fs is not None:
+            _INHERITED.append(store._fs[1])
+            store._fs = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_clients)
+
+
 class Store:
     """``url`` (a dataset folder or file) and everything below it."""
 
@@ -107,6 +131,11 @@ class Store:
         self.options = dict(storage_options or {})
         self.retry = retry or Retry()
         self._fs: tuple[int, Any, str] | None = None
+        _LIVE.add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _LIVE.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _fs=None)
@@ -152,6 +181,8 @@ class Store:
                 raise
             except FileNotFoundError as exc:
                 cause = exc.__cause__  # fsspec's http client turns every failure into this
+                if cause is not None and _status(cause) in (401, 403):
+                    raise _error("permanent", what, url, cause, k + 1) from None
                 if cause is not None and _kind(cause) in ("unreachable", "timeout"):
                     self._retry_or_raise(what, url, cause, k, deadline)
                     continue
@@ -185,8 +216,12 @@ class Store:
         if not rel:
             return []
         where = rel[0] if len(set(rel)) == 1 else ""
-        out = self.call("range read", where,
-                        lambda fs, _: fs.cat_ranges([self._path(r) for r in rel], starts, ends, on_error="raise"))
+        if self.http:  # fsspec's http cat_ranges reads a whole body whatever its length: bounded here
+            out = self.call("range read", where, lambda fs, _: _http_ranges(
+                fs, [self._path(r) for r in rel], starts, ends, [self.url_of(r) for r in rel]))
+        else:
+            out = self.call("range read", where, lambda fs, _: fs.cat_ranges([self._path(r) for r in rel], starts,
+                                                                             ends, on_error="raise"))
         for r, a, b, blob in zip(rel, starts, ends, out):
             if len(blob) != b - a:
                 raise RangeNotSupportedError(f"{self.url_of(r)}: asked for {b - a} bytes at {a}, got {len(blob)}: "
@@ -194,9 +229,13 @@ class Store:
                                              f"server that does, or read it as a stream (iterable=True)")
         return out
 
+    @property
+    def http(self) -> bool:
+        return self.url.startswith(("http://", "https://"))
+
     def get(self, rel: str, local: Path, limit: int | None) -> None:
         """Download ``rel`` to ``local``, streamed, at most ``limit`` bytes (a retry starts over)."""
-        self.call("download", rel, lambda fs, p: _download(fs, p, local, limit, self.url_of(rel)))
+        self.call("download", rel, lambda fs, p: _download(fs, p, local, limit, self.url_of(rel), self.http))
 
     def put(self, local: Path, rel: str) -> None:
         """Upload a file (the client uses multipart uploads for large files where the store has them)."""
@@ -253,9 +292,11 @@ def _read(fs: Any, path: str, limit: int, url: str) -> bytes:
                       f"dataset, or raise the limit in packio.limits")
 
 
-def _download(fs: Any, path: str, local: Path, limit: int | None, url: str) -> None:
+def _download(fs: Any, path: str, local: Path, limit: int | None, url: str, http: bool) -> None:
     total = 0
-    kw = {} if limit is None else {"size": limit}  # no HEAD request: the manifest gave the size
+    kw: dict[str, Any] = {} if limit is None else {"size": limit}  # no HEAD request: the manifest gave the size
+    if http:  # one streamed GET, read in chunks (fsspec's block reads take a whole 206 body at once)
+        kw["block_size"] = 0
     with fs.open(path, "rb", cache_type="none", **kw) as f, open(local, "wb") as out:
         while True:
             b = f.read(CHUNK if limit is None else min(CHUNK, limit + 1 - total))
@@ -266,3 +307,37 @@ def _download(fs: Any, path: str, local: Path, limit: int | None, url: str) -> N
             if limit is not None and total > limit:
                 raise RemoteError(f"{url}: the server sent more than the manifest's {limit} bytes; the object "
                                   f"was replaced or the server is broken")
+
+
+def _http_range(fs: Any, path: str, start: int, end: int, url: str) -> bytes:
+    """Bytes ``[start, end)`` by one ``Range`` request, reading at most one byte more
+    than asked: a body longer than asked (or a 200 with more than asked) is refused."""
+    want = end - start
+    if want <= 0:
+        return b""
+    headers = {**dict(getattr(fs, "kwargs", {}).get("headers") or {}), "Range": f"bytes={start}-{end - 1}"}
+    chunks, got = [], 0
+    with fs.open(path, "rb", block_size=0, size=want, headers=headers) as f:
+        if start and getattr(getattr(f, "r", None), "status", 206) != 206:
+            got = -1  # the whole file from its start: not these bytes
+        while 0 <= got <= want:
+            b = f.read(min(CHUNK, want + 1 - got))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+    if got != want:
+        what = "more" if got > want else "the whole file" if got < 0 else got
+        raise RangeNotSupportedError(f"{url}: asked for {want} bytes at {start}, got {what}"
+                                     f": the server does not honour byte ranges; serve the dataset from a server "
+                                     f"that does, or read it as a stream (iterable=True)")
+    return b"".join(chunks)
+
+
+def _http_ranges(fs: Any, paths: list[str], starts: list[int], ends: list[int], urls: list[str]) -> list[bytes]:
+    if len(paths) == 1:
+        return [_http_range(fs, paths[0], starts[0], ends[0], urls[0])]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="packio-range") as pool:
+        return list(pool.map(lambda k: _http_range(fs, paths[k], starts[k], ends[k], urls[k]), range(len(paths))))
