@@ -397,6 +397,10 @@ def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = N
         raise PackioError(f"the {spec.name} format stores {'BMP' if spec.payload == 'bmp' else 'decoded uint8 pixels'}"
                           f" only; drop --encode {encode} (or choose another output format)")
     packed_src = src.is_file() or is_packed(src)
+    if packed_src and (csv or columns):
+        raise SourceError(f"{src} is a packed dataset: its annotations are already stored, and a CSV "
+                          f"(--csv / --csv-columns) applies only to an image folder; drop the CSV, or "
+                          f"give the image folder it describes")
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
     _check_paths(src, dst, csv)
@@ -422,7 +426,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packe
     fixed = resize.fixed_shape
     if packed_src:
         reader = open_reader(src)
-        classes = list(reader.manifest.classes)
+        classes, box_classes = list(reader.manifest.classes), reader.manifest.box_classes
         tasks: list[Any] = list(range(len(reader)))
         history = _history_of(reader.manifest)
         if fixed is None and not resize.active:  # a fixed-shape source keeps its shape (e.g. arrays → hdf5)
@@ -435,7 +439,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packe
         summary.skipped.update(scan.skipped)
         summary.problems += scan.problems
         notes.update(scan.notes)
-        classes, tasks = scan.classes, scan.items
+        classes, box_classes, tasks = scan.classes, scan.box_classes, scan.items
         source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
         if not tasks:
             skipped = sum(scan.skipped.values())
@@ -462,7 +466,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packe
     job = _Job(spec.name, WriteOptions(shard_samples=o.shard_samples or MAX_SHARD_SAMPLES, shard_bytes=o.shard_bytes,
                                        fixed_shape=fixed if payload == "raw" else None,
                                        shards=n_shards, expected=len(tasks)),
-               classes, image, source_info, strict)
+               classes, box_classes, image, source_info, strict)
 
     _clean_stale(dst)
     tmp = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -717,6 +721,7 @@ class _Job:
     format: str
     write_options: WriteOptions  # what the format's writer gets
     classes: list[str]
+    box_classes: list[str] | None  # None: a source packed before box_classes, whose box labels index classes
     image: dict[str, Any]
     source: dict[str, Any]
     strict: bool
@@ -762,6 +767,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
         writer.abort()
         raise
     manifest = Manifest(format=job.format, count=writer.count, id=uuid.uuid4().hex, classes=job.classes,
+                        box_classes=job.box_classes,
                         image=_image_facts(job.image, done, stored, jpeg_encoded), source=job.source, extra=extra,
                         summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup,
                                  "notes": dict(notes)})
@@ -852,7 +858,7 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
     done = sum((Counter(r["done"]) for r in results), Counter())
     stored = sum((Counter(r["stored"]) for r in results), Counter())
     jpeg = any(r["jpeg_encoded"] for r in results)
-    manifest = Manifest(format=job.format, count=count, classes=job.classes,
+    manifest = Manifest(format=job.format, count=count, classes=job.classes, box_classes=job.box_classes,
                         image=_image_facts(job.image, done, stored, jpeg),
                         source=job.source,
                         extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},

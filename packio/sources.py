@@ -54,7 +54,8 @@ class SourceItem:
 @dataclass
 class Scan:
     items: list[SourceItem]
-    classes: list[str]
+    classes: list[str]  # image classes: what labels index
+    box_classes: list[str] = field(default_factory=list)  # what box labels index
     skipped: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)  # "file: reason", one per skip
     info: dict[str, Any] = field(default_factory=dict)
@@ -353,17 +354,85 @@ def _sort_classes(names: set[str]) -> list[str]:
     return sorted(names)
 
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp")
+
+
+def _folder_labels(keys: list[str]) -> dict[str, str]:
+    """Key → the name of its folder, when image files (by suffix) sit in two or more
+    folder names: a flat or single-folder source (``BCCD/JPEGImages/``) has no image
+    classes, and folders holding no images (``Annotations/``) name none."""
+    folder = {k: k.rsplit("/", 2)[-2] for k in keys if "/" in k}
+    names = {f for k, f in folder.items() if k.lower().endswith(IMAGE_SUFFIXES)}
+    return {k: f for k, f in folder.items() if f in names} if len(names) > 1 else {}
+
+
+def _candidates(root: Path, name: str) -> list[str]:
+    """The keys a CSV path with folders may name: itself, and itself read relative to a
+    folder above ``root`` (``train/x.jpg`` for the source ``data/train``)."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if name.startswith("/"):
+        rel = os.path.relpath(name, os.path.abspath(root))
+        return [] if rel.startswith("..") else [rel]
+    top = Path(os.path.abspath(root)).parts
+    out = ["/".join(parts)]
+    for k in range(1, min(len(parts), len(top))):
+        if tuple(parts[:k]) == top[-k:]:
+            out.append("/".join(parts[k:]))
+    return out
+
+
+def _join(root: Path, keys: list[str], rows: list[dict[str, Any]], scan: Scan,
+          strict: bool) -> dict[str, list[dict[str, Any]]]:
+    """CSV rows per key. A name with folders must name its file (relative to ``root`` or
+    to a folder above it); a bare file name (or an id without extension) names the one
+    file of that name, only when that name is unique among the files and no other CSV
+    path has it (``train/x.jpg`` and ``val/x.jpg`` never both land on one ``x.jpg``)."""
+    have = set(keys)
+    by_base: dict[str, list[str]] = {}
+    by_stem: dict[str, list[str]] = {}
+    for rel in keys:
+        base = rel.rsplit("/", 1)[-1]
+        by_base.setdefault(base, []).append(rel)
+        by_stem.setdefault(base.rsplit(".", 1)[0], []).append(rel)
+    paths_of_base: dict[str, set[str]] = {}
+    for row in rows:
+        name = row["filename"].replace("\\", "/")
+        paths_of_base.setdefault(name.rsplit("/", 1)[-1], set()).add(name)
+    per_image: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        name = row["filename"].replace("\\", "/")
+        base, reason = name.rsplit("/", 1)[-1], ""
+        if "/" in name:
+            found = list(dict.fromkeys(k for k in _candidates(root, name) if k in have))
+        elif name in have:
+            found = [name]
+        else:
+            found = by_base.get(base) or ([] if "." in base else by_stem.get(base, []))
+            if len(found) == 1 and len(paths_of_base[base]) > 1:
+                found = []  # other CSV paths share this file name: which file is meant is unclear
+                reason = "CSV file name given with several paths in the CSV (give the path relative to the folder)"
+        if len(found) != 1:
+            reason = ("CSV row names several files (give the path relative to the folder)" if found
+                      else reason or "CSV row for a missing file")
+            if strict:
+                raise SourceError(f"{row['where']}: names {name!r}: {reason} (--strict)")
+            scan.skip(reason, row["where"], name)
+            continue
+        per_image.setdefault(found[0], []).append(row)
+    return per_image
+
+
 def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: dict[str, str] | None = None,
                 *, strict: bool = False, follow_symlinks: bool = False) -> Scan:
     """List an image folder and attach CSV annotations.
 
     Labels: the name of each image's parent folder (``train/ants/x.jpg`` → ``ants``)
     when the images sit in sub-folders; a CSV image label (see the module doc)
-    overrides it. Box classes come from the CSV ``class`` column. One class list
-    serves both. Images without CSV rows are kept with no boxes; CSV rows naming no
+    overrides it; a flat or single-folder source has no folder labels. Box classes
+    come from the CSV ``class`` column and get their own list (``box_classes``). Images without CSV rows are kept with no boxes; CSV rows naming no
     image are counted (``strict`` makes them an error); an image without a label in
     a dataset that has labels is counted in ``notes``. A CSV whose rows name none of
-    the images is an error.
+    the images is an error. How CSV names find files: see :func:`_join`.
     """
     root = Path(root)
     if not root.is_dir():
@@ -373,38 +442,21 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
     files = _walk(root, scan, exclude, follow_symlinks)
     rows = _read_csv(Path(csv_path), columns or {}, scan) if csv_path else []
 
-    by_key = {rel: full for rel, full in files}
-    by_base: dict[str, list[str]] = {}
-    by_stem: dict[str, list[str]] = {}
-    for rel, _ in files:
-        base = rel.rsplit("/", 1)[-1]
-        by_base.setdefault(base, []).append(rel)
-        by_stem.setdefault(base.rsplit(".", 1)[0], []).append(rel)
-    per_image: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        name = row["filename"].replace("\\", "/")
-        base = name.rsplit("/", 1)[-1]
-        # exact path, else a unique file name, else (an id without extension) a unique stem
-        found = [name] if name in by_key else by_base.get(base) or ([] if "." in base else by_stem.get(base, []))
-        if len(found) != 1:
-            reason = ("CSV row names several files (give the path relative to the folder)" if found
-                      else "CSV row for a missing file")
-            if strict:
-                raise SourceError(f"{row['where']}: names {name!r}: {reason} (--strict)")
-            scan.skip(reason, row["where"], name)
-            continue
-        per_image.setdefault(found[0], []).append(row)
+    per_image = _join(root, [rel for rel, _ in files], rows, scan, strict)
     if rows and not per_image:
         raise SourceError(f"{csv_path}: none of its {len(rows)} rows names an image in {root} "
                           f"(first: {rows[0]['filename']!r}); give file names relative to the folder, "
                           f"or map the file-name column with --csv-columns filename=COLUMN")
 
-    folder_of = {rel: (rel.rsplit("/", 2)[-2] if "/" in rel else None) for rel, _ in files}
-    names = {v for v in folder_of.values() if v}
+    folder_of = _folder_labels([rel for rel, _ in files])
+    names = set(folder_of.values()) - {None}
+    box_names = set()
     for rs in per_image.values():
-        names.update(r[f] for r in rs for f in ("image_label", "box_class") if r.get(f))
-    scan.classes = _sort_classes(names)
+        names.update(r["image_label"] for r in rs if r.get("image_label"))
+        box_names.update(r["box_class"] for r in rs if r.get("box_class"))
+    scan.classes, scan.box_classes = _sort_classes(names), _sort_classes(box_names)
     index = {c: i for i, c in enumerate(scan.classes)}
+    box_index = {c: i for i, c in enumerate(scan.box_classes)}
     for rel, full in files:
         rs = per_image.get(rel, [])
         given = {r["image_label"] for r in rs if r.get("image_label")}
@@ -414,13 +466,13 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
             scan.skip("CSV gives the image several labels", rs[0]["where"], f"{rel}: {', '.join(sorted(given))}")
             continue
         item = SourceItem(key=rel, path=full)
-        label = given.pop() if given else folder_of[rel]
+        label = given.pop() if given else folder_of.get(rel)
         if label:
             item.label = index[label]
         for r in rs:
             if "box" in r:
                 item.boxes.append(r["box"])
-                item.box_labels.append(index[r["box_class"]] if r["box_class"] else -1)
+                item.box_labels.append(box_index[r["box_class"]] if r["box_class"] else -1)
                 item.frames.append(r["frame"])
         scan.items.append(item)
     unlabelled = sum(it.label < 0 for it in scan.items)
