@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 import uuid
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -736,8 +737,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     notes = Counter(notes or {})
     problems: list[str] = []
     writer = spec.writer(path, job.write_options)
-    seen: set[str] = set()
-    dup = 0
+    sums = array("Q")  # each sample's checksum (xxh3-64): duplicates counted in numpy at the end
     done: Counter[str] = Counter()  # "jpeg kept", "bmp→jpeg", ...
     stored: Counter[str] = Counter()  # encodings stored
     jpeg_encoded = False  # whether this step encoded any JPEG (the manifest then records the quality)
@@ -753,8 +753,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
                     problems.append(f"{r.where}: {r.reason}")
                     continue
                 sample = r.sample
-                dup += sample.checksum in seen
-                seen.add(sample.checksum)
+                sums.append(_sum64(sample))
                 done[r.done] += 1
                 stored[sample.encoding] += 1
                 jpeg_encoded |= not r.kept and sample.encoding == "jpeg"
@@ -766,6 +765,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     except BaseException:
         writer.abort()
         raise
+    dup = len(sums) - len(np.unique(np.frombuffer(sums, np.uint64))) if sums else 0
     manifest = Manifest(format=job.format, count=writer.count, id=uuid.uuid4().hex, classes=job.classes,
                         box_classes=job.box_classes,
                         image=_image_facts(job.image, done, stored, jpeg_encoded), source=job.source, extra=extra,
@@ -775,6 +775,21 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup,
             "notes": dict(notes), "done": dict(done), "stored": dict(stored), "jpeg_encoded": jpeg_encoded,
             "workers": chosen.get("workers"), "manifest": manifest}
+
+
+def _sum64(sample: Sample) -> int:
+    """The sample's checksum as a number (a foreign record's may be no xxh3-64 hex)."""
+    text = sample.checksum or checksum(sample.payload)
+    try:
+        return int(text, 16) if len(text) == 16 else _xxh64(text)
+    except ValueError:
+        return _xxh64(text)
+
+
+def _xxh64(text: str) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogateescape"))
 
 
 def _image_facts(image: dict[str, Any], done: Counter[str], stored: Counter[str], jpeg: bool) -> dict[str, Any]:
