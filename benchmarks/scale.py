@@ -45,9 +45,11 @@ s = packio.convert(src, dst, csv=csv_path, workers=int(workers), progress=False,
 wall = time.perf_counter() - t0
 ru = resource.getrusage(resource.RUSAGE_SELF)
 after = gc.get_stats()
+with open("/proc/self/status") as f:  # this process's own peak (ru_maxrss keeps the forking parent's across exec)
+    hwm = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
 print(json.dumps({"packio": packio.__file__, "packed": s.packed, "skipped": sum(s.skipped.values()),
                   "cpu_s": ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, "wall_s": wall,
-                  "base_rss_kib": base, "peak_rss_kib": ru.ru_maxrss,
+                  "base_rss_kib": base, "peak_rss_kib": hwm,
                   "gc_collections": [a["collections"] - b["collections"] for a, b in zip(after, before)]}))
 """
 
@@ -64,8 +66,10 @@ step = max(1, len(ds) // n)
 for i in range(0, step * n, step):
     ds[i]
 ru = resource.getrusage(resource.RUSAGE_SELF)
+with open("/proc/self/status") as f:
+    hwm = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
 print(json.dumps({"open_ms": open_ms, "read": n, "read_cpu_s": ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime,
-                  "reader_rss_kib": ru.ru_maxrss}))
+                  "reader_rss_kib": hwm}))
 """
 
 
@@ -103,7 +107,8 @@ def child(code: str, args: list[str], tree: Path | None) -> dict:
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
+    # cwd outside any checkout: 'python -c' puts the working folder first on the path
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, cwd="/")
     if out.returncode:
         raise SystemExit(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -271,8 +271,21 @@ class TarReader(Reader):
             return True
         if p.is_file() and p.suffix == ".tar":
             return True
-        return p.is_dir() and not (p / "packio.json").exists() and any(p.glob("*.tar")) and all(
-            f.suffix == ".tar" for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+        if not p.is_dir() or (p / "packio.json").exists():
+            return False
+        # one lazy pass (Path.glob lists a whole folder first: 30 MB for an image folder of 200k files)
+        found = False
+        with os.scandir(p) as it:
+            for e in it:
+                try:
+                    if e.name.startswith(".") or not e.is_file():
+                        continue
+                except OSError:  # a symlink loop: no shard
+                    continue
+                if not e.name.endswith(".tar"):
+                    return False
+                found = True
+        return found
 
     @classmethod
     def claims(cls, path: str) -> bool:

@@ -39,12 +39,12 @@ class Rows:
 
     path: str
     names: Strings  # the file-name cell, stripped, '\\' turned '/'
-    line: np.ndarray  # int64: the row's line in the CSV
+    line: np.ndarray  # int32: the row's line in the CSV
     image_label: np.ndarray  # int32 index into image_names, -1: none
     has_box: np.ndarray  # bool
     boxes: np.ndarray  # float32[n, 4] xyxy (zeros where has_box is False)
     box_class: np.ndarray  # int32 index into box_names, -1: none
-    frames: np.ndarray  # int32[n, 2]: the CSV's (width, height) of the box's image, or (0, 0)
+    frames: np.ndarray | None  # int32[n, 2]: the CSV's (width, height) of the box's image, (0, 0); None: no such columns
     image_names: list[str]
     box_names: list[str]
 
@@ -54,15 +54,16 @@ class Rows:
     @classmethod
     def empty(cls) -> "Rows":
         """No CSV: no rows."""
-        return cls("", Strings.of([]), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool),
-                   np.zeros((0, 4), np.float32), np.zeros(0, np.int32), np.zeros((0, 2), np.int32), [], [])
+        return cls("", Strings.of([]), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, bool),
+                   np.zeros((0, 4), np.float32), np.zeros(0, np.int32), None, [], [])
 
     def where(self, i: int) -> str:
         return f"{self.path}:{int(self.line[i])}"
 
     def take(self, idx: np.ndarray) -> "Rows":
         return Rows(self.path, self.names.take(idx), self.line[idx], self.image_label[idx], self.has_box[idx],
-                    self.boxes[idx], self.box_class[idx], self.frames[idx], self.image_names, self.box_names)
+                    self.boxes[idx], self.box_class[idx], None if self.frames is None else self.frames[idx],
+                    self.image_names, self.box_names)
 
 
 def parse_columns(text: str | None) -> dict[str, str]:
@@ -121,7 +122,7 @@ class _Parser:
         self.info = {"csv_columns": {f: c for f, c in cols.items() if f in ("filename", "width", "height", *BOX_FIELDS)
                                      or c in (image_col, box_col)},
                      "csv_labels": {"images": image_col, "boxes": box_col}}
-        self.names, self.line, self.labels, self.digests = StringsBuilder(), array("q"), array("i"), bytearray()
+        self.names, self.line, self.labels, self.digests = StringsBuilder(), array("i"), array("i"), bytearray()
         self.has_box, self.boxes, self.box_classes, self.frames = array("b"), array("f"), array("i"), array("i")
         self.image_ids: dict[str, int] = {}
         self.box_ids: dict[str, int] = {}
@@ -148,18 +149,19 @@ class _Parser:
         self.boxes.extend(box)
         self.box_classes.append(_id(self.box_ids, row[self.box_class].strip())
                                 if has_box and self.box_class is not None else -1)
-        self.frames.extend(frame)
+        if self.size:
+            self.frames.extend(frame)
         self.digests += xxhash.xxh3_128_digest(repr(row).encode("utf-8", "surrogateescape"))
 
     def rows(self) -> Rows:
         n = len(self.line)
 
-        def col(a: array, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-            return np.frombuffer(a, dtype).reshape(shape).copy() if n else np.zeros(shape, dtype)
+        def col(a: array, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:  # shares the array's buffer
+            return np.frombuffer(a, dtype).reshape(shape) if n else np.zeros(shape, dtype)
 
-        return Rows(self.path, self.names.build(), col(self.line, np.int64, (n,)), col(self.labels, np.int32, (n,)),
-                    col(self.has_box, np.int8, (n,)).astype(bool), col(self.boxes, np.float32, (n, 4)),
-                    col(self.box_classes, np.int32, (n,)), col(self.frames, np.int32, (n, 2)),
+        return Rows(self.path, self.names.build(), col(self.line, np.int32, (n,)), col(self.labels, np.int32, (n,)),
+                    col(self.has_box, np.bool_, (n,)), col(self.boxes, np.float32, (n, 4)),
+                    col(self.box_classes, np.int32, (n,)), col(self.frames, np.int32, (n, 2)) if self.size else None,
                     list(self.image_ids), list(self.box_ids))
 
 
@@ -204,12 +206,19 @@ def _drop_duplicates(parser: _Parser, rows: Rows) -> Rows:
     digests compared in numpy: no set of rows is held)."""
     if not len(rows):
         return rows
-    d = np.frombuffer(bytes(parser.digests), np.uint64).reshape(-1, 2)
-    order = np.lexsort((np.arange(len(d)), d[:, 1], d[:, 0]))
-    same = np.zeros(len(d), bool)
-    same[1:] = (d[order[1:]] == d[order[:-1]]).all(axis=1)
+    d = np.frombuffer(parser.digests, np.uint64).reshape(-1, 2)
+    order = np.argsort(d[:, 0], kind="stable")  # by the first 64 bits; the rest checked where those agree
+    first = d[order, 0]
+    maybe = np.flatnonzero(first[1:] == first[:-1]) + 1
+    del first
     dup = np.zeros(len(d), bool)
-    dup[order[same]] = True
+    for k in maybe.tolist():  # a run of equal first halves: each row against the earlier ones of the run
+        j = k - 1
+        while j >= 0 and d[order[j], 0] == d[order[k], 0]:
+            if d[order[j], 1] == d[order[k], 1]:
+                dup[order[k]] = True
+                break
+            j -= 1
     for i in np.flatnonzero(dup).tolist():
         parser.skip("duplicate CSV row", rows.where(i), "")
     return rows.take(np.flatnonzero(~dup)) if dup.any() else rows

@@ -16,7 +16,7 @@ import numpy as np
 
 from packio.errors import SourceError
 from packio.sources.csvrows import Rows
-from packio.sources.strings import Strings, lookup
+from packio.sources.strings import CHUNK, HashIndex, Strings
 
 __all__ = ["join"]
 
@@ -81,11 +81,16 @@ def _shared_bases(rows: Rows) -> set[str]:
 
 
 def join(root: Path, keys: Strings, rows: Rows, skip: Skip, strict: bool) -> np.ndarray:
-    """int64 per row: the index of the file it names, -1 when skipped (and counted)."""
-    found = lookup(keys.hashes(), rows.names.hashes())
-    for i in np.flatnonzero(found >= 0).tolist():
-        if keys[found[i]] != rows.names[i]:  # equal hashes of different names: look again below
-            found[i] = -1
+    """Per row: the index of the file it names, -1 when skipped (and counted)."""
+    index = HashIndex(keys.hashes())
+    found = np.empty(len(rows), np.int32 if len(keys) < 1 << 31 else np.int64)
+    for a in range(0, len(rows), CHUNK):  # a chunk of rows at a time: few temporaries per row
+        hit = index.lookup(rows.names.hashes(a, min(a + CHUNK, len(rows))))
+        for k in np.flatnonzero(hit >= 0).tolist():
+            if keys[hit[k]] != rows.names[a + k]:  # equal hashes of different names: look again below
+                hit[k] = -1
+        found[a:a + len(hit)] = hit
+    del index
     todo = np.flatnonzero(found < 0).tolist()
     if not todo:
         return found

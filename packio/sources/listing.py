@@ -39,11 +39,11 @@ class Listing:
 
     root: str
     keys: Strings
-    labels: np.ndarray  # int64 per image
+    labels: np.ndarray  # int32 per image
     box_offsets: np.ndarray  # int64[n + 1]: image i's boxes are rows box_offsets[i]:box_offsets[i + 1]
     boxes: np.ndarray  # float32[m, 4]
-    box_labels: np.ndarray  # int64[m]
-    frames: np.ndarray  # int32[m, 2]
+    box_labels: np.ndarray  # int32[m]
+    frames: np.ndarray | None  # int32[m, 2]; None: the CSV gave no width/height
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -56,14 +56,15 @@ class Listing:
             lo, hi = int(self.box_offsets[a]), int(self.box_offsets[max(a, b)])
             return Listing(self.root, self.keys.slice(a, max(a, b)), self.labels[a:b],
                            self.box_offsets[a:max(a, b) + 1] - lo, self.boxes[lo:hi], self.box_labels[lo:hi],
-                           self.frames[lo:hi])
+                           None if self.frames is None else self.frames[lo:hi])
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
         key = self.keys[i]
         lo, hi = int(self.box_offsets[i]), int(self.box_offsets[i + 1])
+        frames = [(0, 0)] * (hi - lo) if self.frames is None else [(w, h) for w, h in self.frames[lo:hi].tolist()]
         return SourceItem(key, os.path.join(self.root, key), int(self.labels[i]), self.boxes[lo:hi],
-                          self.box_labels[lo:hi], [(int(w), int(h)) for w, h in self.frames[lo:hi].tolist()])
+                          self.box_labels[lo:hi].astype(np.int64), frames)
 
     def __iter__(self) -> Iterator[SourceItem]:
         for k in range(0, len(self), CHUNK):
@@ -102,7 +103,7 @@ def _folder_names(files: Files) -> set[str]:
 
 def _remap(names: list[str], index: dict[str, int]) -> np.ndarray:
     """Lookup array: old id → index in the sorted class list (ids of unused names: -1); id -1 stays -1."""
-    out = np.full(len(names) + 1, -1, np.int64)
+    out = np.full(len(names) + 1, -1, np.int32)
     out[:-1] = [index.get(n, -1) for n in names]
     return out  # out[-1] == -1 serves id -1
 
@@ -114,11 +115,10 @@ def _conflicts(rows: Rows, file_of: np.ndarray, scan: Scan, keys: Strings, stric
     if not len(lab):
         return bad
     f, v = file_of[lab], rows.image_label[lab]
-    order = np.lexsort((v, f))
-    f, v = f[order], v[order]
-    starts = np.flatnonzero(np.r_[True, f[1:] != f[:-1]])
-    lo, hi = np.minimum.reduceat(v, starts), np.maximum.reduceat(v, starts)
-    for fi in f[starts[lo != hi]].tolist():
+    del lab
+    last = np.full(len(keys), -1, np.int32)
+    last[f] = v  # one of each file's labels: a file with another one has several
+    for fi in np.unique(f[v != last[f]]).tolist():
         first = int(np.flatnonzero(file_of == fi)[0])
         given = sorted({rows.image_names[x] for x in rows.image_label[file_of == fi].tolist() if x >= 0})
         if strict:
@@ -137,7 +137,7 @@ def _image_labels(files: Files, rows: Rows, file_of: np.ndarray) -> tuple[list[s
     classes = _sort_classes(folder_names | csv_names)
     index = {c: i for i, c in enumerate(classes)}
     per_folder = np.asarray([index.get(n, -1) if n in folder_names else -1 for n in files.folders] + [-1], np.int64)
-    labels = per_folder[files.folder] if len(files.folder) else np.zeros(0, np.int64)
+    labels = per_folder[files.folder].astype(np.int32) if len(files.folder) else np.zeros(0, np.int32)
     labels[file_of[lab]] = _remap(rows.image_names, index)[rows.image_label[lab]]
     return classes, labels
 
@@ -153,7 +153,8 @@ def _box_columns(rows: Rows, file_of: np.ndarray, keep: np.ndarray) -> tuple[lis
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     box_map = _remap(rows.box_names, {c: i for i, c in enumerate(box_classes)})
-    return box_classes, (offsets, rows.boxes[sel], box_map[rows.box_class[sel]], rows.frames[sel])
+    return box_classes, (offsets, rows.boxes[sel], box_map[rows.box_class[sel]],
+                         None if rows.frames is None else rows.frames[sel])
 
 
 def _csv_rows(root: Path, csv_path: Path, columns: dict[str, str], files: Files, scan: Scan,
@@ -191,6 +192,7 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
         rows, file_of = _csv_rows(root, Path(csv_path), columns or {}, files, scan, strict)
     else:
         rows, file_of = Rows.empty(), np.zeros(0, np.int64)
+    rows.names = Strings.of([])  # the file names are no longer needed: their memory goes before the columns are made
     bad = _conflicts(rows, file_of, scan, files.keys, strict)
     scan.classes, labels = _image_labels(files, rows, file_of)
     keep = ~bad
@@ -208,5 +210,4 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
 
 
 def _empty_columns() -> tuple[np.ndarray, ...]:
-    return (np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros((0, 4), np.float32), np.zeros(0, np.int64),
-            np.zeros((0, 2), np.int32))
+    return np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros((0, 4), np.float32), np.zeros(0, np.int32), None

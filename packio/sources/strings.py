@@ -8,7 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
-__all__ = ["Strings", "StringsBuilder", "lookup", "CHUNK"]
+__all__ = ["Strings", "StringsBuilder", "HashIndex", "CHUNK"]
 
 CHUNK = 1 << 16  # strings turned into Python objects at a time, then dropped
 
@@ -18,22 +18,21 @@ class StringsBuilder:
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._ends = array("q")
+        self._offsets = array("q", [0])
 
     def append(self, s: str) -> None:
         self._buf += s.encode("utf-8", "surrogateescape")
-        self._ends.append(len(self._buf))
+        self._offsets.append(len(self._buf))
 
     def __len__(self) -> int:
-        return len(self._ends)
+        return len(self._offsets) - 1
 
     def build(self) -> "Strings":
-        data = np.frombuffer(bytes(self._buf), np.uint8)
-        self._buf = bytearray()
-        offsets = np.zeros(len(self._ends) + 1, np.int64)
-        offsets[1:] = np.frombuffer(self._ends, np.int64) if len(self._ends) else offsets[1:]
-        self._ends = array("q")
-        return Strings(data, offsets)
+        """The strings, sharing this builder's buffers (no copy); the builder starts afresh."""
+        data = np.frombuffer(self._buf, np.uint8) if self._buf else np.zeros(0, np.uint8)
+        out = Strings(data, np.frombuffer(self._offsets, np.int64))
+        self._buf, self._offsets = bytearray(), array("q", [0])
+        return out
 
 
 class Strings:
@@ -78,25 +77,31 @@ class Strings:
         pos = np.repeat(starts - offsets[:-1], lens) + np.arange(int(offsets[-1]), dtype=np.int64)
         return Strings(self.data[pos], offsets)
 
-    def hashes(self) -> np.ndarray:
-        """xxh3-64 of every string, ``uint64[n]``."""
+    def hashes(self, a: int = 0, b: int | None = None) -> np.ndarray:
+        """xxh3-64 of strings ``a:b`` (all by default), ``uint64``."""
         import xxhash
 
-        out = np.empty(len(self), np.uint64)
+        b = len(self) if b is None else b
+        out = np.empty(b - a, np.uint64)
         view = memoryview(self.data)
-        for k in range(0, len(self), CHUNK):
-            offs = self.offsets[k:k + CHUNK + 1].tolist()
-            out[k:k + len(offs) - 1] = np.fromiter(
-                (xxhash.xxh3_64_intdigest(view[a:b]) for a, b in zip(offs[:-1], offs[1:])), np.uint64, len(offs) - 1)
+        for k in range(a, b, CHUNK):
+            offs = self.offsets[k:min(k + CHUNK, b) + 1].tolist()
+            out[k - a:k - a + len(offs) - 1] = np.fromiter(
+                (xxhash.xxh3_64_intdigest(view[x:y]) for x, y in zip(offs[:-1], offs[1:])), np.uint64, len(offs) - 1)
         return out
 
 
-def lookup(table: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """For each query hash, the index of an equal hash in ``table`` (-1: none). The caller
-    checks the strings themselves: equal hashes only say where to look."""
-    order = np.argsort(table, kind="stable")
-    ordered = table[order]
-    pos = np.minimum(np.searchsorted(ordered, queries), max(len(table) - 1, 0))
-    if not len(table):
-        return np.full(len(queries), -1, np.int64)
-    return np.where(ordered[pos] == queries, order[pos], -1)
+class HashIndex:
+    """Where each hash sits in a table of hashes (kept sorted, with its order)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.order = np.argsort(table, kind="stable")
+        self.sorted = table[self.order]
+
+    def lookup(self, queries: np.ndarray) -> np.ndarray:
+        """For each query hash, the index of an equal hash in the table (-1: none). The
+        caller checks the strings themselves: equal hashes only say where to look."""
+        if not len(self.sorted):
+            return np.full(len(queries), -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.sorted, queries), len(self.sorted) - 1)
+        return np.where(self.sorted[pos] == queries, self.order[pos], -1)

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from packio.errors import SourceError
-from packio.sources.strings import Strings, StringsBuilder
+from packio.sources.strings import CHUNK, Strings, StringsBuilder
 
 __all__ = ["Files", "walk", "PATH_MAX", "IMAGE_SUFFIXES"]
 
@@ -49,9 +49,13 @@ def _sorted_entries(folder: str) -> Iterator[tuple[str, bool, bool]]:
             flags.append(e.is_symlink() + 2 * _is_dir(e))
     s = names.build()
     width = int(np.diff(s.offsets).max()) if len(s) else 1
+    # names hold no NUL, so the fixed-width copy gives each back exactly; the buffer goes first
     fixed = np.fromiter((n.encode("utf-8", "surrogateescape") for n in s), f"S{width}", len(s))
-    for i in np.argsort(fixed, kind="stable").tolist():
-        yield s[i], bool(flags[i] & 1), bool(flags[i] & 2)
+    del s
+    order = np.argsort(fixed, kind="stable")
+    for k in range(0, len(order), CHUNK):
+        for i in order[k:k + CHUNK].tolist():
+            yield fixed[i].decode("utf-8", "surrogateescape"), bool(flags[i] & 1), bool(flags[i] & 2)
 
 
 class _Walk:
