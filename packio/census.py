@@ -35,14 +35,17 @@ class Tally:
             self.with_boxes += 1
             self.box_labels.update(np.asarray(sample.box_labels).tolist())
 
-    def to_json(self, classes: list[str]) -> dict[str, Any]:
-        def name(i: int) -> str:
-            return classes[i] if 0 <= i < len(classes) else NO_CLASS
+    def to_json(self, classes: list[str], box_classes: list[str] | None = None) -> dict[str, Any]:
+        """Counts by name: image labels index ``classes``, box labels ``box_classes`` (``classes`` when None)."""
+        def name(i: int, names: list[str] = classes) -> str:
+            return names[i] if 0 <= i < len(names) else NO_CLASS
+
+        boxed = classes if box_classes is None else box_classes
 
         return {"images_without_label": self.labels.get(-1, 0),
                 "labels": {name(i): n for i, n in sorted(self.labels.items()) if i >= 0},
                 "boxes": sum(self.box_labels.values()), "images_with_boxes": self.with_boxes,
-                "box_classes": {name(i): n for i, n in sorted(self.box_labels.items())}}
+                "box_classes": {name(i, boxed): n for i, n in sorted(self.box_labels.items())}}
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -135,6 +135,9 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"samples:  {m.count}")
     print(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
     print(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
+    if m.box_classes is not None:
+        bc = m.box_classes
+        print(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
     for line in describe_output(p, m):  # a URL: Path() merged its '//'
         print(line.replace(str(p), a.path) if is_url(a.path) else line)
     shape = m.image.get("shape")

@@ -22,6 +22,7 @@ import stat
 import threading
 import time
 import uuid
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -402,6 +403,10 @@ def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = N
         raise PackioError(f"the {spec.name} format stores {'BMP' if spec.payload == 'bmp' else 'decoded uint8 pixels'}"
                           f" only; drop --encode {encode} (or choose another output format)")
     packed_src = src.is_file() or is_packed(src)
+    if packed_src and (csv or columns):
+        raise SourceError(f"{src} is a packed dataset: its annotations are already stored, and a CSV "
+                          f"(--csv / --csv-columns) applies only to an image folder; drop the CSV, or "
+                          f"give the image folder it describes")
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
     _check_paths(src, dst, csv)
@@ -427,7 +432,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packe
     fixed = resize.fixed_shape
     if packed_src:
         reader = open_reader(src)
-        classes = list(reader.manifest.classes)
+        classes, box_classes = list(reader.manifest.classes), reader.manifest.box_classes
         tasks: list[Any] = list(range(len(reader)))
         history = _history_of(reader.manifest)
         if fixed is None and not resize.active:  # a fixed-shape source keeps its shape (e.g. arrays → hdf5)
@@ -440,7 +445,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packe
         summary.skipped.update(scan.skipped)
         summary.problems += scan.problems
         notes.update(scan.notes)
-        classes, tasks = scan.classes, scan.items
+        classes, box_classes, tasks = scan.classes, scan.box_classes, scan.items
         source_info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
         source_info["csv_unused_text"] = census.unused_text_columns(csv, scan.info.get("csv_columns"))
         if not tasks:
@@ -468,7 +473,7 @@ def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packe
     job = _Job(spec.name, WriteOptions(shard_samples=o.shard_samples or MAX_SHARD_SAMPLES, shard_bytes=o.shard_bytes,
                                        fixed_shape=fixed if payload == "raw" else None,
                                        shards=n_shards, expected=len(tasks)),
-               classes, image, source_info, strict)
+               classes, box_classes, image, source_info, strict)
 
     _clean_stale(dst)
     tmp = dst.with_name(f".{dst.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -729,6 +734,7 @@ class _Job:
     format: str
     write_options: WriteOptions  # what the format's writer gets
     classes: list[str]
+    box_classes: list[str] | None  # None: a source packed before box_classes, whose box labels index classes
     image: dict[str, Any]
     source: dict[str, Any]
     strict: bool
@@ -743,8 +749,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     notes = Counter(notes or {})
     problems: list[str] = []
     writer = spec.writer(path, job.write_options)
-    seen: set[str] = set()
-    dup = 0
+    sums = array("Q")  # each sample's checksum (xxh3-64): duplicates counted in numpy at the end
     done: Counter[str] = Counter()  # "jpeg kept", "bmp→jpeg", ...
     stored: Counter[str] = Counter()  # encodings stored
     jpeg_encoded = False  # whether this step encoded any JPEG (the manifest then records the quality)
@@ -761,8 +766,7 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
                     problems.append(f"{r.where}: {r.reason}")
                     continue
                 sample = r.sample
-                dup += sample.checksum in seen
-                seen.add(sample.checksum)
+                sums.append(_sum64(sample))
                 done[r.done] += 1
                 stored[sample.encoding] += 1
                 jpeg_encoded |= not r.kept and sample.encoding == "jpeg"
@@ -775,14 +779,31 @@ def _write_part(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], path: 
     except BaseException:
         writer.abort()
         raise
+    dup = len(sums) - len(np.unique(np.frombuffer(sums, np.uint64))) if sums else 0
     manifest = Manifest(format=job.format, count=writer.count, id=uuid.uuid4().hex, classes=job.classes,
+                        box_classes=job.box_classes,
                         image=_image_facts(job.image, done, stored, jpeg_encoded), source=job.source, extra=extra,
                         summary={"packed": writer.count, "skipped": dict(skipped), "duplicate_content": dup,
-                                 "notes": dict(notes), "annotations": tally.to_json(job.classes)})
+                                 "notes": dict(notes), "annotations": tally.to_json(job.classes, job.box_classes)})
     writer.write_manifest(manifest)
     return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup,
             "notes": dict(notes), "done": dict(done), "stored": dict(stored), "jpeg_encoded": jpeg_encoded,
             "workers": chosen.get("workers"), "manifest": manifest, "annotations": manifest.summary["annotations"]}
+
+
+def _sum64(sample: Sample) -> int:
+    """The sample's checksum as a number (a foreign record's may be no xxh3-64 hex)."""
+    text = sample.checksum or checksum(sample.payload)
+    try:
+        return int(text, 16) if len(text) == 16 else _xxh64(text)
+    except ValueError:
+        return _xxh64(text)
+
+
+def _xxh64(text: str) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogateescape"))
 
 
 def _image_facts(image: dict[str, Any], done: Counter[str], stored: Counter[str], jpeg: bool) -> dict[str, Any]:
@@ -866,7 +887,7 @@ def _write_parts(job: _Job, fn: Callable[[Any], Result], tasks: list[Any], root:
     done = sum((Counter(r["done"]) for r in results), Counter())
     stored = sum((Counter(r["stored"]) for r in results), Counter())
     jpeg = any(r["jpeg_encoded"] for r in results)
-    manifest = Manifest(format=job.format, count=count, classes=job.classes,
+    manifest = Manifest(format=job.format, count=count, classes=job.classes, box_classes=job.box_classes,
                         image=_image_facts(job.image, done, stored, jpeg),
                         source=job.source,
                         extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},

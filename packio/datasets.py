@@ -67,7 +67,13 @@ class PackedDataset(Dataset):
 
     @property
     def classes(self) -> list[str]:
+        """Image class names: what ``label`` indexes."""
         return list(self.reader.manifest.classes)
+
+    @property
+    def box_classes(self) -> list[str]:
+        """Box class names: what ``box_labels`` index."""
+        return self.reader.manifest.box_class_names()
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -287,7 +293,13 @@ class PackedIterableDataset(_Resumable, IterableDataset):
 
     @property
     def classes(self) -> list[str]:
+        """Image class names: what ``label`` indexes."""
         return list(self.reader.manifest.classes)
+
+    @property
+    def box_classes(self) -> list[str]:
+        """Box class names: what ``box_labels`` index."""
+        return self.reader.manifest.box_class_names()
 
     def _get_position(self) -> tuple[int, int]:
         return self._position.get()

@@ -41,7 +41,9 @@ class Manifest:
     format: str
     count: int
     id: str = ""  # unique per written dataset: readers notice when the path now holds another one
-    classes: list[str] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)  # what image labels index
+    # what box labels index; None (datasets packed before it existed): ``classes``
+    box_classes: list[str] | None = None
     image: dict[str, Any] = field(default_factory=dict)  # encoding, size, resize spec
     source: dict[str, Any] = field(default_factory=dict)  # path, csv, column map
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relpath -> bytes, xxh3_128
@@ -55,13 +57,24 @@ class Manifest:
         canonical JSON form that survives a write/read round trip."""
         import xxhash
 
-        body = json.loads(json.dumps({k: v for k, v in asdict(self).items() if k != "digest"}))
+        body = json.loads(json.dumps({k: v for k, v in self._fields().items() if k != "digest"}))
         return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
     def to_json(self) -> str:
         """The JSON to store, with a fresh digest. Field order puts ``id`` in the first
         bytes, so a reader can check it without parsing a large ``files`` table."""
-        return json.dumps({**asdict(self), "digest": self.content_digest()}, indent=1)
+        return json.dumps({**self._fields(), "digest": self.content_digest()}, indent=1)
+
+    def box_class_names(self) -> list[str]:
+        """The names box labels index (``box_classes``; ``classes`` in older datasets)."""
+        return list(self.classes if self.box_classes is None else self.box_classes)
+
+    def _fields(self) -> dict[str, Any]:
+        """The stored fields; ``box_classes`` only when set, so older datasets keep their digest."""
+        out = asdict(self)
+        if out["box_classes"] is None:
+            del out["box_classes"]
+        return out
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "Manifest":
@@ -79,10 +92,12 @@ class Manifest:
                 raise FormatError(f"{where}: manifest field {name!r} should be {typ.__name__}")
         if "format" not in raw or "count" not in raw or isinstance(raw["count"], bool) or raw["count"] < 0:
             raise FormatError(f"{where}: manifest lacks 'format' or a valid 'count'")
-        if not all(isinstance(c, str) for c in raw.get("classes", [])):
-            raise FormatError(f"{where}: manifest 'classes' must be strings")
+        for name in ("classes", "box_classes"):
+            value = raw.get(name, [])
+            if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                raise FormatError(f"{where}: manifest {name!r} must be a list of strings")
         _check_image(raw.get("image", {}), where)
-        known = {k: raw[k] for k in (*types, "version") if k in raw}
+        known = {k: raw[k] for k in (*types, "box_classes", "version") if k in raw}
         m = cls(**known)
         if _CHECK_DIGEST.get() and m.digest != m.content_digest():
             why = "has no content digest" if not m.digest else "no longer matches its digest"

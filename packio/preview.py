@@ -58,8 +58,8 @@ def _text(img: np.ndarray, text: str, org: tuple[int, int], color: tuple[int, in
     cv2.putText(img, text, org, cv2.FONT_HERSHEY_SIMPLEX, scale, color, 1, cv2.LINE_AA)
 
 
-def _tile(item: dict, classes: list[str], cell: int, what: str) -> np.ndarray:
-    """One sample drawn into a ``cell`` x ``cell + CAPTION`` tile."""
+def _tile(item: dict, classes: tuple[list[str], list[str]], cell: int, what: str) -> np.ndarray:
+    """One sample drawn into a ``cell`` x ``cell + CAPTION`` tile; ``classes``: (image classes, box classes)."""
     import cv2
 
     img = _hwc(item["image"])
@@ -73,10 +73,10 @@ def _tile(item: dict, classes: list[str], cell: int, what: str) -> np.ndarray:
         color = PALETTE[lab % len(PALETTE)] if lab >= 0 else (128, 128, 128)
         p0, p1 = (int(round(x0)), int(round(y0))), (max(int(round(x1)) - 1, 0), max(int(round(y1)) - 1, 0))
         cv2.rectangle(tile[:th, :tw], p0, p1, color, 2)
-        _text(tile[:th, :tw], _name(classes, lab), (p0[0] + 3, max(p0[1] - 4, 12)), color)
+        _text(tile[:th, :tw], _name(classes[1], lab), (p0[0] + 3, max(p0[1] - 4, 12)), color)
     label = int(item.get("label", -1))
     _text(tile, str(item.get("key", ""))[-38:], (3, cell + 13), TEXT)
-    _text(tile, f"{what} {w}x{h}  label: {_name(classes, label) if label >= 0 else 'none'}", (3, cell + 30), TEXT)
+    _text(tile, f"{what} {w}x{h}  label: {_name(classes[0], label) if label >= 0 else 'none'}", (3, cell + 30), TEXT)
     return tile
 
 
@@ -88,11 +88,12 @@ def render(path: str | Path, indices: Sequence[int] | None = None, *, resize: in
     picked = _indices(len(stored), indices, count)
     if not picked:
         raise PackioError(f"{path} holds no samples to show")
+    names = (list(stored.classes), list(stored.box_classes))
     tiles = []
     for i in picked:
-        tiles.append(_tile(stored[i], stored.classes, cell, "stored"))
+        tiles.append(_tile(stored[i], names, cell, "stored"))
         if read is not None:
-            tiles.append(_tile(read[i], stored.classes, cell, f"read resize={resize}:"))
+            tiles.append(_tile(read[i], names, cell, f"read resize={resize}:"))
     columns = max(1, columns - columns % 2) if read is not None else max(1, columns)  # pairs stay on one row
     columns = min(columns, len(tiles))
     rows = -(-len(tiles) // columns)

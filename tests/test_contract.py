@@ -47,28 +47,29 @@ def packed(request, gen_folder, tmp_path):
 def expected(src: Path, fmt: str):
     """What each stored sample must be, from the generator's own truth and the files."""
     truth = TRUTH[str(src)]
-    classes = sorted({t[0] for t in truth.values()} | {c for t in truth.values() for c in t[2]})
+    classes = sorted({t[0] for t in truth.values()})
+    box_classes = sorted({c for t in truth.values() for c in t[2]})
     spec = resize_for(fmt)
     out = {}
-    for key, (label, boxes, box_classes) in truth.items():
+    for key, (label, boxes, names) in truth.items():
         data = (src / key).read_bytes()
         b = np.asarray(boxes, np.float32).reshape(-1, 4)
-        box_labels = [classes.index(c) for c in box_classes]
+        box_labels = [box_classes.index(c) for c in names]
         if spec is None:
             out[key] = (data, classes.index(label), b, box_labels)
         else:
             img, b2, bl = dec.apply_spec(dec.decode(data), b, np.asarray(box_labels, np.int64), spec)
             out[key] = (img, classes.index(label), b2, list(bl))
-    return out, classes
+    return out, classes, box_classes
 
 
 def test_round_trip(packed):
     fmt, path, src, csv, summary = packed
-    want, classes = expected(src, fmt)
+    want, classes, box_classes = expected(src, fmt)
     ds = packio.open_dataset(path, decode=False)
     assert ds.reader.manifest.format == fmt
     assert len(ds) == len(want) == summary.packed == 14
-    assert ds.classes == classes
+    assert ds.classes == classes and ds.box_classes == box_classes
     seen = set()
     for i in range(len(ds)):
         s = ds.sample(i)

@@ -260,7 +260,7 @@ def test_ground_truth_every_orientation_format_and_geometry(oriented_folder, tmp
     where = f"{fmt}/{spec}"
 
     ds = packio.open_dataset(out)
-    classes = ds.classes
+    classes = ds.box_classes
     for i in range(len(ds)):
         item = ds[i]
         check_truth(item["image"].numpy(), item["boxes"].numpy(), _names(classes, item["box_labels"]),
@@ -366,14 +366,14 @@ def test_label_column_with_box_columns(tmp_path):
     s = packio.convert(src, tmp_path / "plain.lmdb", csv=p, progress=False)
     ds = packio.open_dataset(s.output, decode=False)
     a = next(ds.sample(i) for i in range(6) if ds.sample(i).key == "a.jpg")
-    assert a.label == -1 and _names(ds.classes, a.box_labels) == ["head", "wing"]
+    assert a.label == -1 and _names(ds.box_classes, a.box_labels) == ["head", "wing"]
     assert main(["convert", str(src), str(tmp_path / "o.lmdb"), "--csv", str(p), "--label-column", "species",
                  "--quiet"]) == 0
     ds = packio.open_dataset(tmp_path / "o.lmdb", decode=False)
     got = {ds.sample(i).key: ds.sample(i) for i in range(6)}
     assert {k: ds.classes[v.label] if v.label >= 0 else None for k, v in got.items()} == {
         "a.jpg": "wasp", "b.jpg": "bee", "c.png": "ant", "d.jpg": None, "e.jpg": None, "f.jpg": None}
-    assert _names(ds.classes, got["a.jpg"].box_labels) == ["head", "wing"]
+    assert _names(ds.box_classes, got["a.jpg"].box_labels) == ["head", "wing"]
     assert len(got["c.png"].boxes) == 0  # a row with empty box cells labels the image, adds no box
     assert ds.reader.manifest.summary["notes"] == {
         "image without a label (no CSV label / class folder; packed with label -1)": 3}
@@ -462,7 +462,7 @@ def test_gpu_transforms_ground_truth_on_cpu(oriented_folder, tmp_path, op):
     batch = next(iter(packio.DataLoader(ds, batch_size=9)))
     x, boxes, labels = _gpu_apply(op, batch["image"], batch["boxes"], batch["box_labels"])
     for k in range(len(x)):
-        check_truth(x[k].numpy(), boxes[k].numpy(), _names(ds.classes, labels[k]), f"gpu {op} {batch['key'][k]}")
+        check_truth(x[k].numpy(), boxes[k].numpy(), _names(ds.box_classes, labels[k]), f"gpu {op} {batch['key'][k]}")
 
 
 def test_foreign_shard_with_exif_orientation(tmp_path):

@@ -26,7 +26,7 @@ FLOORS = {
     "packio.doctor": 9, "packio.bench": 9, "packio.cuda": 9,
     "packio.cli": 10, "packio": 10, "packio.__main__": 11,
 }
-SUBPACKAGES = ("packio.formats", "packio.remote", "packio.doctor", "packio.bench", "packio.cuda")
+SUBPACKAGES = ("packio.formats", "packio.remote", "packio.doctor", "packio.bench", "packio.cuda", "packio.sources")
 
 
 def _map(top_level_only: bool) -> dict[str, set[str]]:

@@ -22,7 +22,7 @@ def _check_bytes_and_boxes(out: Path, src: Path, rows_by_file: dict[str, list[li
         want = np.asarray(rows_by_file.get(s.key, []), np.float32).reshape(-1, 4)
         # CSV row order is kept per image
         np.testing.assert_array_equal(s.boxes, want)
-        assert [ds.classes[c] for c in s.box_labels] == classes_col.get(s.key, [])
+        assert [ds.box_classes[c] for c in s.box_labels] == classes_col.get(s.key, [])
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "wds", "h5"])

@@ -37,8 +37,8 @@ def _read_png(path: Path) -> np.ndarray:
     return img[:, :, ::-1]  # RGB
 
 
-def _check_square_tile(tile: np.ndarray, scale: float, cls: int = 1) -> None:
-    green = np.array(PALETTE[cls][::-1])  # the box class's colour, RGB (classes: "cls", "square")
+def _check_square_tile(tile: np.ndarray, scale: float, cls: int = 0) -> None:
+    green = np.array(PALETTE[cls][::-1])  # the box class's colour, RGB (box_classes: ["square"])
     lo, hi = round(LO * scale), round(HI * scale) - 1
     mid = range(lo + 8, hi - 8)
     for edge in ((lo, mid, "top"), (hi, mid, "bottom")):

@@ -8,7 +8,9 @@ reads every array; a batch needs no per-sample record parsing.
 
 from __future__ import annotations
 
+import itertools
 import struct
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,8 @@ class ArrayWriter(Writer):
         self._out = open(path / "images.npy", "wb")
         self._out.write(_npy_header((0, self._h, self._w, 3)))
         self._columns = ColumnBuffer()
-        self._keys: list[str] = []
+        self._keys, self._key_ends = bytearray(), array("q")  # no Python object per sample
+        self._key_chars = 1
         self._records = RecordFile(path)
 
     def add(self, sample: Sample) -> None:
@@ -62,7 +65,9 @@ class ArrayWriter(Writer):
             raise ValueError(f"{sample.key}: expected uint8[{self._h}, {self._w}, 3]")
         self._out.write(np.ascontiguousarray(img).data)
         self._columns.add(sample)
-        self._keys.append(sample.key)
+        self._keys += sample.key.encode("utf-8", "surrogatepass")
+        self._key_ends.append(len(self._keys))
+        self._key_chars = max(self._key_chars, len(sample.key))
         self._records.add(sample.record())
         self.count += 1
 
@@ -75,7 +80,9 @@ class ArrayWriter(Writer):
         columns["box_offsets"] = np.concatenate([[0], columns["box_offsets"]]).astype(np.int64)
         for name, column in columns.items():
             save(f"{name}.npy", column)
-        save("keys.npy", np.asarray(self._keys, dtype=str) if self._keys else np.zeros(0, "U1"))
+        keys = (self._keys[a:b].decode("utf-8", "surrogatepass")
+                for a, b in zip(itertools.chain((0,), self._key_ends), self._key_ends))
+        save("keys.npy", np.fromiter(keys, f"U{self._key_chars}", self.count))
         self._records.close()
         return {"images": "images.npy", "labels": "labels.npy", "shape": [self._h, self._w, 3]}
 

@@ -7,6 +7,7 @@ import json
 import os
 import struct
 from abc import ABC, abstractmethod
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -356,7 +357,7 @@ class RecordFile:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._out = open(root / self.BIN, "wb")
-        self._offsets = [0]
+        self._offsets = array("q", [0])  # one number per sample, no Python object
 
     def add(self, rec: dict[str, Any]) -> None:
         blob = pack_record(rec)
@@ -365,7 +366,7 @@ class RecordFile:
 
     def close(self) -> None:
         self._out.close()
-        np.save(self.root / self.IDX, np.asarray(self._offsets, np.int64), allow_pickle=False)
+        np.save(self.root / self.IDX, np.frombuffer(self._offsets, np.int64), allow_pickle=False)
 
     @classmethod
     def load(cls, root: Path, count: int) -> tuple[np.ndarray, "RecordBlob"]:

@@ -9,6 +9,7 @@ by h5py / numpy alone, and what a whole-batch read slices without parsing record
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,30 +24,34 @@ NAMES = ("labels", "boxes", "box_labels", "box_offsets")
 
 
 class ColumnBuffer:
-    """Collects the columns of samples as they are written."""
+    """Collects the columns of samples as they are written, in growing flat arrays (no
+    Python object per sample: millions of samples cost their bytes, not ~500 B each)."""
 
     def __init__(self) -> None:
-        self._labels: list[int] = []
-        self._boxes: list[np.ndarray] = []
-        self._box_labels: list[np.ndarray] = []
+        self._labels = array("q")
+        self._boxes = array("f")
+        self._box_labels = array("q")
+        self._counts = array("q")
         self._box_total = 0  # boxes drained so far: where the next offsets start
 
     def add(self, sample: Sample) -> None:
+        boxes = np.asarray(sample.boxes, np.float32).reshape(-1, 4)
         self._labels.append(int(sample.label))
-        self._boxes.append(np.asarray(sample.boxes, np.float32).reshape(-1, 4))
-        self._box_labels.append(np.asarray(sample.box_labels, np.int64).reshape(-1))
+        self._counts.append(len(boxes))
+        if len(boxes):
+            self._boxes.frombytes(np.ascontiguousarray(boxes).tobytes())
+            self._box_labels.frombytes(np.asarray(sample.box_labels, np.int64).reshape(-1).tobytes())
 
     def drain(self) -> dict[str, np.ndarray]:
         """The rows added since the last drain. ``box_offsets`` holds their end offsets
         only (absolute): a writer starts the column with ``[0]`` and appends these."""
-        ends = self._box_total + np.cumsum([len(b) for b in self._boxes], dtype=np.int64)
-        out = {"labels": np.asarray(self._labels, np.int64),
-               "boxes": np.concatenate(self._boxes) if self._boxes else np.zeros((0, 4), np.float32),
-               "box_labels": np.concatenate(self._box_labels) if self._box_labels else np.zeros(0, np.int64),
-               "box_offsets": ends.astype(np.int64)}
+        col = lambda a, dtype: np.frombuffer(a, dtype).copy() if len(a) else np.zeros(0, dtype)  # noqa: E731
+        ends = self._box_total + np.cumsum(col(self._counts, np.int64), dtype=np.int64)
+        out = {"labels": col(self._labels, np.int64), "boxes": col(self._boxes, np.float32).reshape(-1, 4),
+               "box_labels": col(self._box_labels, np.int64), "box_offsets": ends.astype(np.int64)}
         if len(ends):
             self._box_total = int(ends[-1])
-        self._labels, self._boxes, self._box_labels = [], [], []
+        self._labels, self._boxes, self._box_labels, self._counts = array("q"), array("f"), array("q"), array("q")
         return out
 
 

@@ -1,0 +1,244 @@
+"""CSV annotation rows → columns (numpy arrays and one string buffer), parsed once at pack time.
+
+Which column labels what: with box columns, ``class`` labels the boxes and
+``label`` (if present) the images; without box columns, ``label``, or else
+``class``, labels the images (Kaggle ``filename,label`` / ``image_id,class``).
+``--csv-columns label=COL`` (or ``--label-column COL``) names the image-label
+column explicitly. Default column names are matched case-insensitively, with a
+few common aliases (``image_id``, ``path``, ``category``, ...).
+"""
+
+from __future__ import annotations
+
+import csv
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from packio.errors import SourceError
+from packio.sample import is_coord
+from packio.sources.strings import Strings, StringsBuilder
+
+__all__ = ["FIELDS", "Rows", "parse_columns", "read_csv"]
+
+FIELDS = ("filename", "class", "xmin", "ymin", "xmax", "ymax", "label", "width", "height")
+BOX_FIELDS = ("xmin", "ymin", "xmax", "ymax")
+# Column names tried, in order and ignoring case, for a field the user did not map.
+ALIASES = {"filename": ("filename", "file_name", "file", "image_id", "image", "image_name", "img", "path",
+                        "fname", "id"),
+           "class": ("class", "class_name", "category"), "label": ("label", "target")}
+Skip = Callable[[str, str, str], None]  # (reason, where, detail)
+
+
+@dataclass
+class Rows:
+    """The CSV's usable rows, one array entry per row."""
+
+    path: str
+    names: Strings  # the file-name cell, stripped, '\\' turned '/'
+    line: np.ndarray  # int32: the row's line in the CSV
+    image_label: np.ndarray  # int32 index into image_names, -1: none
+    has_box: np.ndarray  # bool
+    boxes: np.ndarray  # float32[n, 4] xyxy (zeros where has_box is False)
+    box_class: np.ndarray  # int32 index into box_names, -1: none
+    frames: np.ndarray | None  # int32[n, 2]: the CSV's (width, height) of the box's image, (0, 0); None: no such columns
+    image_names: list[str]
+    box_names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.line)
+
+    @classmethod
+    def empty(cls) -> "Rows":
+        """No CSV: no rows."""
+        return cls("", Strings.of([]), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, bool),
+                   np.zeros((0, 4), np.float32), np.zeros(0, np.int32), None, [], [])
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{int(self.line[i])}"
+
+    def take(self, idx: np.ndarray) -> "Rows":
+        return Rows(self.path, self.names.take(idx), self.line[idx], self.image_label[idx], self.has_box[idx],
+                    self.boxes[idx], self.box_class[idx], None if self.frames is None else self.frames[idx],
+                    self.image_names, self.box_names)
+
+
+def parse_columns(text: str | None) -> dict[str, str]:
+    """``'filename=path,class=cell_type'`` → ``{'filename': 'path', 'class': 'cell_type'}``."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, sep, column = part.partition("=")
+        if not sep or not column or name not in FIELDS:
+            raise SourceError(
+                f"--csv-columns: cannot read {part!r}; write FIELD=COLUMN pairs separated by commas, "
+                f"FIELD one of {', '.join(FIELDS)}")
+        out[name] = column
+    return out
+
+
+def _resolve_columns(path: Path, header: list[str], columns: dict[str, str]) -> dict[str, str]:
+    """Field → CSV column, for the fields this CSV has. Mapped columns must exist."""
+    missing = [c for c in columns.values() if c not in header]
+    if missing:
+        raise SourceError(f"{path}: --csv-columns names {missing}, which the CSV does not have; "
+                          f"columns are {header}")
+    lower = {h.lower(): h for h in header}
+    out = dict(columns)
+    for f in FIELDS:
+        if f not in out:
+            found = next((lower[a] for a in ALIASES.get(f, (f,)) if a in lower), None)
+            if found is not None and found not in out.values():
+                out[f] = found
+    return out
+
+
+class _Parser:
+    """Turns one CSV row after another into columns; bad rows are told to ``skip``."""
+
+    def __init__(self, path: Path, header: list[str], columns: dict[str, str], skip: Skip) -> None:
+        cols = _resolve_columns(path, header, columns)
+        if "filename" not in cols:
+            raise SourceError(
+                f"{path}: no column 'filename' (or image_id, path, ...) for file names; columns are {header}. "
+                f"Map yours with --csv-columns filename=COLUMN")
+        have_box = [f for f in BOX_FIELDS if f in cols]
+        if have_box and len(have_box) != 4:
+            missing = [f for f in BOX_FIELDS if f not in cols]
+            raise SourceError(
+                f"{path}: box columns {missing} are missing; columns are {header}. "
+                f"Map them with --csv-columns xmin=...,ymin=...,xmax=...,ymax=...")
+        at = {c: k for k, c in enumerate(header)}
+        self.path, self.width, self.skip = str(path), len(header), skip
+        self.file = at[cols["filename"]]
+        image_col = cols.get("label") or (None if have_box else cols.get("class"))
+        box_col = cols.get("class") if have_box else None
+        self.image = at[image_col] if image_col else None
+        self.box = [at[cols[f]] for f in BOX_FIELDS] if have_box else None
+        self.box_class = at[box_col] if box_col else None
+        self.size = (at[cols["width"]], at[cols["height"]]) if "width" in cols and "height" in cols else None
+        self.info = {"csv_columns": {f: c for f, c in cols.items() if f in ("filename", "width", "height", *BOX_FIELDS)
+                                     or c in (image_col, box_col)},
+                     "csv_labels": {"images": image_col, "boxes": box_col}}
+        self.names, self.line, self.labels, self.digests = StringsBuilder(), array("i"), array("i"), bytearray()
+        self.has_box, self.boxes, self.box_classes, self.frames = array("b"), array("f"), array("i"), array("i")
+        self.image_ids: dict[str, int] = {}
+        self.box_ids: dict[str, int] = {}
+
+    def add(self, row: list[str], line: int) -> None:
+        import xxhash
+
+        where = f"{self.path}:{line}"
+        if len(row) != self.width:
+            self.skip("CSV row with a wrong number of fields", where, "")
+            return
+        box, frame = (0.0, 0.0, 0.0, 0.0), (0, 0)
+        has_box = self.box is not None and any(row[k].strip() for k in self.box)  # all empty: no box
+        if has_box:
+            box = _box([row[k] for k in self.box], self.skip, where)
+            frame = _frame(row[self.size[0]].strip(), row[self.size[1]].strip(), self.skip, where) \
+                if self.size else (0, 0)
+            if box is None or frame is None:
+                return
+        self.names.append(row[self.file].strip().replace("\\", "/"))
+        self.line.append(line)
+        self.labels.append(_id(self.image_ids, row[self.image].strip()) if self.image is not None else -1)
+        self.has_box.append(has_box)
+        self.boxes.extend(box)
+        self.box_classes.append(_id(self.box_ids, row[self.box_class].strip())
+                                if has_box and self.box_class is not None else -1)
+        if self.size:
+            self.frames.extend(frame)
+        self.digests += xxhash.xxh3_128_digest(repr(row).encode("utf-8", "surrogateescape"))
+
+    def rows(self) -> Rows:
+        n = len(self.line)
+
+        def col(a: array, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:  # shares the array's buffer
+            return np.frombuffer(a, dtype).reshape(shape) if n else np.zeros(shape, dtype)
+
+        return Rows(self.path, self.names.build(), col(self.line, np.int32, (n,)), col(self.labels, np.int32, (n,)),
+                    col(self.has_box, np.bool_, (n,)), col(self.boxes, np.float32, (n, 4)),
+                    col(self.box_classes, np.int32, (n,)), col(self.frames, np.int32, (n, 2)) if self.size else None,
+                    list(self.image_ids), list(self.box_ids))
+
+
+def _id(ids: dict[str, int], name: str) -> int:
+    """``name``'s index among the names seen so far (-1: empty); class names are few."""
+    if not name:
+        return -1
+    return ids.setdefault(name, len(ids))
+
+
+def _box(cells: list[str], skip: Skip, where: str) -> tuple[float, float, float, float] | None:
+    try:
+        x0, y0, x1, y1 = (float(c) for c in cells)
+    except ValueError:
+        skip("non-numeric box", where, ",".join(cells))
+        return None
+    if not all(map(is_coord, (x0, y0, x1, y1))) or min(x0, y0, x1, y1) < 0:
+        skip("negative or non-finite box", where, "")
+        return None
+    if x1 < x0 or y1 < y0:
+        skip("inverted box (max < min)", where, "")
+        return None
+    return x0, y0, x1, y1
+
+
+def _frame(w_cell: str, h_cell: str, skip: Skip, where: str) -> tuple[int, int] | None:
+    """The CSV's (width, height) for this row's box; (0, 0) when both cells are empty."""
+    if not (w_cell or h_cell):
+        return 0, 0
+    try:
+        w, h = float(w_cell), float(h_cell)
+    except ValueError:
+        w = h = -1.0
+    if not (is_coord(w) and is_coord(h) and w >= 1 and h >= 1 and w == int(w) and h == int(h)):
+        skip("bad CSV width/height (not positive integers)", where, f"{w_cell},{h_cell}")
+        return None
+    return int(w), int(h)
+
+
+def _drop_duplicates(parser: _Parser, rows: Rows) -> Rows:
+    """Rows whose every cell repeats an earlier row's are skipped and counted (128-bit
+    digests compared in numpy: no set of rows is held)."""
+    if not len(rows):
+        return rows
+    d = np.frombuffer(parser.digests, np.uint64).reshape(-1, 2)
+    order = np.argsort(d[:, 0], kind="stable")  # by the first 64 bits; the rest checked where those agree
+    first = d[order, 0]
+    maybe = np.flatnonzero(first[1:] == first[:-1]) + 1
+    del first
+    dup = np.zeros(len(d), bool)
+    for k in maybe.tolist():  # a run of equal first halves: each row against the earlier ones of the run
+        j = k - 1
+        while j >= 0 and d[order[j], 0] == d[order[k], 0]:
+            if d[order[j], 1] == d[order[k], 1]:
+                dup[order[k]] = True
+                break
+            j -= 1
+    for i in np.flatnonzero(dup).tolist():
+        parser.skip("duplicate CSV row", rows.where(i), "")
+    return rows.take(np.flatnonzero(~dup)) if dup.any() else rows
+
+
+def read_csv(path: Path, columns: dict[str, str], skip: Skip) -> tuple[Rows, dict[str, Any]]:
+    """Parse annotation rows (bad rows are skipped and counted, bad headers raise), and
+    facts for the manifest (which columns were used for what)."""
+    try:
+        fh = open(path, newline="", encoding="utf-8-sig")
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot open the CSV ({exc.strerror})") from None
+    with fh:
+        try:
+            reader = csv.reader(fh)
+            header = next(reader, [])
+            parser = _Parser(path, header, columns, skip)
+            for row in reader:
+                if row:  # blank lines are no rows
+                    parser.add(row, reader.line_num)
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise SourceError(f"{path}: not a readable UTF-8 CSV ({exc})") from None
+    return _drop_duplicates(parser, parser.rows()), parser.info

@@ -1,0 +1,213 @@
+"""Image folder + CSV → a columnar listing: the tasks a conversion packs, one array entry per image."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from packio.errors import SourceError
+from packio.sources.csvrows import Rows, read_csv
+from packio.sources.join import join
+from packio.sources.strings import CHUNK, Strings
+from packio.sources.walk import Files, walk
+
+__all__ = ["SourceItem", "Listing", "Scan", "scan_source"]
+
+UNLABELLED = "image without a label (no CSV label / class folder; packed with label -1)"
+
+
+@dataclass
+class SourceItem:
+    """One input image, with its annotations resolved to class indices (made when packed)."""
+
+    key: str  # path relative to the source root, '/'-separated
+    path: str
+    label: int = -1
+    boxes: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.float32))
+    box_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    frames: list[tuple[int, int]] = field(default_factory=list)  # per box: the CSV's (width, height), or (0, 0)
+
+
+@dataclass
+class Listing:
+    """The images to pack as columns: ``listing[i]`` makes the ``SourceItem`` when needed."""
+
+    root: str
+    keys: Strings
+    labels: np.ndarray  # int32 per image
+    box_offsets: np.ndarray  # int64[n + 1]: image i's boxes are rows box_offsets[i]:box_offsets[i + 1]
+    boxes: np.ndarray  # float32[m, 4]
+    box_labels: np.ndarray  # int32[m]
+    frames: np.ndarray | None  # int32[m, 2]; None: the CSV gave no width/height
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            a, b, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("a listing slices with step 1 only")
+            lo, hi = int(self.box_offsets[a]), int(self.box_offsets[max(a, b)])
+            return Listing(self.root, self.keys.slice(a, max(a, b)), self.labels[a:b],
+                           self.box_offsets[a:max(a, b) + 1] - lo, self.boxes[lo:hi], self.box_labels[lo:hi],
+                           None if self.frames is None else self.frames[lo:hi])
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        key = self.keys[i]
+        lo, hi = int(self.box_offsets[i]), int(self.box_offsets[i + 1])
+        frames = [(0, 0)] * (hi - lo) if self.frames is None else [(w, h) for w, h in self.frames[lo:hi].tolist()]
+        return SourceItem(key, os.path.join(self.root, key), int(self.labels[i]), self.boxes[lo:hi],
+                          self.box_labels[lo:hi].astype(np.int64), frames)
+
+    def __iter__(self) -> Iterator[SourceItem]:
+        for k in range(0, len(self), CHUNK):
+            yield from (self[j] for j in range(k, min(k + CHUNK, len(self))))
+
+
+@dataclass
+class Scan:
+    items: Listing
+    classes: list[str]  # image classes: what labels index
+    box_classes: list[str] = field(default_factory=list)  # what box labels index
+    skipped: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)  # "file: reason", one per skip
+    info: dict[str, Any] = field(default_factory=dict)
+    notes: Counter[str] = field(default_factory=Counter)  # kept, but worth a line in the summary
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        self.skipped[reason] += 1
+        self.problems.append(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
+
+
+def _sort_classes(names: set[str]) -> list[str]:
+    """Sorted class names; numerically when all are integers (so '10' comes after '9')."""
+    if names and all(n.isdigit() for n in names):
+        return sorted(names, key=lambda n: (int(n), n))
+    return sorted(names)
+
+
+def _folder_names(files: Files) -> set[str]:
+    """Folder names that label images: those of folders holding image files (by suffix),
+    when two or more names do. A flat or single-folder source (``BCCD/JPEGImages``) has
+    none, and folders without images (``Annotations/``) name none."""
+    names = {n for n, img in zip(files.folders, files.with_images) if img and n}
+    return names if len(names) > 1 else set()
+
+
+def _remap(names: list[str], index: dict[str, int]) -> np.ndarray:
+    """Lookup array: old id → index in the sorted class list (ids of unused names: -1); id -1 stays -1."""
+    out = np.full(len(names) + 1, -1, np.int32)
+    out[:-1] = [index.get(n, -1) for n in names]
+    return out  # out[-1] == -1 serves id -1
+
+
+def _conflicts(rows: Rows, file_of: np.ndarray, scan: Scan, keys: Strings, strict: bool) -> np.ndarray:
+    """Files the CSV gives two or more labels (skipped and counted), as a bool mask over files."""
+    bad = np.zeros(len(keys), bool)
+    lab = np.flatnonzero((file_of >= 0) & (rows.image_label >= 0))
+    if not len(lab):
+        return bad
+    f, v = file_of[lab], rows.image_label[lab]
+    del lab
+    last = np.full(len(keys), -1, np.int32)
+    last[f] = v  # one of each file's labels: a file with another one has several
+    for fi in np.unique(f[v != last[f]]).tolist():
+        first = int(np.flatnonzero(file_of == fi)[0])
+        given = sorted({rows.image_names[x] for x in rows.image_label[file_of == fi].tolist() if x >= 0})
+        if strict:
+            raise SourceError(f"{rows.where(first)}: the CSV gives {keys[fi]!r} several labels {given} (--strict)")
+        scan.skip("CSV gives the image several labels", rows.where(first), f"{keys[fi]}: {', '.join(given)}")
+        bad[fi] = True
+    return bad
+
+
+def _image_labels(files: Files, rows: Rows, file_of: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Image classes and each file's label: its CSV label, else its folder's name (see
+    :func:`_folder_names`), else -1."""
+    folder_names = _folder_names(files)
+    lab = np.flatnonzero((file_of >= 0) & (rows.image_label >= 0))
+    csv_names = {rows.image_names[x] for x in np.unique(rows.image_label[lab]).tolist()}
+    classes = _sort_classes(folder_names | csv_names)
+    index = {c: i for i, c in enumerate(classes)}
+    per_folder = np.asarray([index.get(n, -1) if n in folder_names else -1 for n in files.folders] + [-1], np.int64)
+    labels = per_folder[files.folder].astype(np.int32) if len(files.folder) else np.zeros(0, np.int32)
+    labels[file_of[lab]] = _remap(rows.image_names, index)[rows.image_label[lab]]
+    return classes, labels
+
+
+def _box_columns(rows: Rows, file_of: np.ndarray, keep: np.ndarray) -> tuple[list[str], tuple[np.ndarray, ...]]:
+    """Box classes, and (offsets, boxes, box labels, frames) of the kept files, in CSV row order per file."""
+    sel = np.flatnonzero((file_of >= 0) & rows.has_box)
+    names = {rows.box_names[x] for x in np.unique(rows.box_class[sel]).tolist() if x >= 0}
+    box_classes = _sort_classes(names)
+    sel = sel[keep[file_of[sel]]]
+    sel = sel[np.argsort(file_of[sel], kind="stable")]
+    counts = np.bincount(file_of[sel], minlength=len(keep))[keep]
+    offsets = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    box_map = _remap(rows.box_names, {c: i for i, c in enumerate(box_classes)})
+    return box_classes, (offsets, rows.boxes[sel], box_map[rows.box_class[sel]],
+                         None if rows.frames is None else rows.frames[sel])
+
+
+def _csv_rows(root: Path, csv_path: Path, columns: dict[str, str], files: Files, scan: Scan,
+              strict: bool) -> tuple[Rows, np.ndarray]:
+    """The CSV's rows and the file each names (-1: none)."""
+    rows, info = read_csv(csv_path, columns, scan.skip)
+    scan.info.update(info)
+    file_of = join(root, files.keys, rows, scan.skip, strict)
+    if len(rows) and not (file_of >= 0).any():
+        raise SourceError(f"{csv_path}: none of its {len(rows)} rows names an image in {root} "
+                          f"(first: {rows.names[0]!r}); give file names relative to the folder, "
+                          f"or map the file-name column with --csv-columns filename=COLUMN")
+    return rows, file_of
+
+
+def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: dict[str, str] | None = None,
+                *, strict: bool = False, follow_symlinks: bool = False) -> Scan:
+    """List an image folder and attach CSV annotations, as columns (``Scan.items``).
+
+    Labels: the name of each image's parent folder (``train/ants/x.jpg`` → ``ants``)
+    when the images sit in sub-folders; a CSV image label (see ``csvrows``) overrides
+    it; a flat or single-folder source has no folder labels. Box classes come from the
+    CSV ``class`` column and get their own list (``box_classes``). Images without CSV
+    rows are kept with no boxes; CSV rows naming no image are counted (``strict`` makes
+    them an error; which rows name which file: see ``join``); an image without a label
+    in a dataset that has labels is counted in ``notes``. A CSV whose rows name none of
+    the images is an error.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise SourceError(f"{root}: not a folder. Give a folder of images (class sub-folders or flat)")
+    scan = Scan(items=Listing(str(root), Strings.of([]), *_empty_columns()), classes=[])
+    files = walk(root, scan.skip, {os.path.abspath(csv_path)} if csv_path else set(), follow_symlinks)
+    if csv_path:
+        rows, file_of = _csv_rows(root, Path(csv_path), columns or {}, files, scan, strict)
+    else:
+        rows, file_of = Rows.empty(), np.zeros(0, np.int64)
+    rows.names = Strings.of([])  # the file names are no longer needed: their memory goes before the columns are made
+    bad = _conflicts(rows, file_of, scan, files.keys, strict)
+    scan.classes, labels = _image_labels(files, rows, file_of)
+    keep = ~bad
+    scan.box_classes, (offsets, boxes, box_labels, frames) = _box_columns(rows, file_of, keep)
+    kept = np.flatnonzero(keep)
+    keys = files.keys.take(kept) if bad.any() else files.keys
+    scan.items = Listing(str(root), keys, labels[kept], offsets, boxes, box_labels, frames)
+    unlabelled = int((scan.items.labels < 0).sum())
+    # a dataset with no image labels at all (say, boxes only) is not worth a note, unless the CSV has a label column
+    if unlabelled and (unlabelled < len(scan.items) or scan.info.get("csv_labels", {}).get("images")):
+        scan.notes[UNLABELLED] = unlabelled
+    scan.info.update({"files": len(files.keys), "csv_rows": len(rows),
+                      "images_with_rows": len(np.unique(file_of[file_of >= 0]))})
+    return scan
+
+
+def _empty_columns() -> tuple[np.ndarray, ...]:
+    return np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros((0, 4), np.float32), np.zeros(0, np.int32), None

@@ -1,0 +1,67 @@
+"""Packing memory does not grow with the dataset: a memory test (not a timing test).
+
+200,000 samples (hard links to one tiny JPEG, a CSV row with a label and a box each) are
+packed in a child process under RLIMIT_AS and a timeout; the converter's peak RSS may grow
+at most BOUND bytes per sample over the peak of a small warm-up pack in the same process
+(imports, decoders, the format's buffers). Before the columnar listing it grew ~2 KB."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import simplejpeg
+import numpy as np
+
+N, WARM = 200_000, 2_000
+BOUND = 300  # bytes per sample: measured ~225 here (was ~2,150); issue 25 aims at 150
+LINKS = 50_000
+
+CHILD = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+import packio
+def peak_kib():  # this process's own peak (ru_maxrss would keep the forking parent's peak across exec)
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+warm, big, out = sys.argv[1:4]
+s = packio.convert(warm, out + "/warm.lmdb", csv=warm + ".csv", workers=0, progress=False)
+assert s.packed == int(sys.argv[4]), s.text()
+before = peak_kib()
+s = packio.convert(big, out + "/big.lmdb", csv=big + ".csv", workers=0, progress=False)
+after = peak_kib()
+print(json.dumps({"packed": s.packed, "skipped": dict(s.skipped), "duplicate_content": s.info.get("duplicate_content"),
+                  "before_kib": before, "after_kib": after}))
+"""
+
+
+def _source(root: Path, n: int, jpgs: list[Path]) -> Path:
+    root.mkdir()
+    rows = ["filename,label,class,xmin,ymin,xmax,ymax\n"]
+    for i in range(n):
+        name = f"img{i:08d}.jpg"
+        os.link(jpgs[i // LINKS], root / name)
+        rows.append(f"{name},c{i % 10},b{i % 5},{i % 3},{i % 4},{8 + i % 5},{9 + i % 6}\n")
+    Path(f"{root}.csv").write_text("".join(rows))
+    return root
+
+
+def test_packing_memory_per_sample_is_bounded(tmp_path):
+    data = simplejpeg.encode_jpeg(np.full((16, 16, 3), 90, np.uint8), quality=90)
+    jpgs = [tmp_path / f"{k}.jpg" for k in range(N // LINKS + 1)]  # ext4 allows 65,000 links per file
+    for p in jpgs:
+        p.write_bytes(data)
+    warm, big = _source(tmp_path / "warm", WARM, jpgs), _source(tmp_path / "big", N, jpgs)
+    (tmp_path / "out").mkdir()
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(warm), str(big), str(tmp_path / "out"), str(WARM)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["packed"] == N and not r["skipped"]
+    assert r["duplicate_content"] == N - 1  # every sample is the same bytes: all counted, none lost
+    growth = (r["after_kib"] - r["before_kib"]) * 1024 / N
+    print(f"converter peak RSS growth: {growth:.0f} B per sample", r)
+    assert growth <= BOUND, f"converter peak RSS grew {growth:.0f} B per sample (bound {BOUND}): {r}"
