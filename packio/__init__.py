@@ -29,6 +29,7 @@ _LAZY = {
     "ResumableSampler": "packio.datasets",
     "open_reader": "packio.urls",
     "tune": "packio.tuning",
+    "mix": "packio.mixing", "MixedDataset": "packio.mixing",
 }
 
 
