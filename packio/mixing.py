@@ -266,7 +266,7 @@ class MixedDataset(PackedIterableDataset):
             if a != b:
                 raise StateError(f"this state was saved by another mix: its {name} {a!r} differ from this mix's "
                                  f"{b!r}; resume with the same sources, weights, epoch_samples, seed and replacement")
-        if state.get("sources") != self.positions(epoch, consumed):
+        if _unnamed(state.get("sources")) != _unnamed(self.positions(epoch, consumed)):
             raise StateError("this state's source positions do not follow from its mix position: it was edited "
                              "or saved by another packio; start the epoch again with set_epoch()")
         super().load_state_dict(state)
@@ -278,6 +278,13 @@ def _source_keys(sources: Any) -> Any:
     if not isinstance(sources, list) or not all(isinstance(x, dict) for x in sources):
         return sources
     return [(x.get("id") or x.get("name"), x.get("length")) for x in sources]
+
+
+def _unnamed(positions: Any) -> Any:
+    """Source positions without the names (a moved copy keeps its position)."""
+    if not isinstance(positions, list) or not all(isinstance(x, dict) for x in positions):
+        return positions
+    return [{k: v for k, v in x.items() if k != "name"} for x in positions]
 
 
 def mix(sources: Sequence[Any], weights: Sequence[float] | None = None, *, epoch_samples: int | None = None,
