@@ -206,14 +206,21 @@ def _same_sequence(local: list, remote: list, workers: int = 2) -> None:
     assert seq(remote) == seq(local)
 
 
-def test_one_source_over_http(paths, http_server, tmp_path):
+def test_one_source_over_http(paths, http_server, tmp_path, monkeypatch):
     """A source read from an HTTP server (streamed shards, planned per source in each worker)
-    mixes exactly as the same dataset read locally; a state moves between the two."""
+    mixes exactly as the same dataset read locally; a state moves between the two (and to a
+    mix given the URL itself)."""
     served = pack(Path(paths[2]).parent, "c", 12, "wds", (9, 9), out=http_server.root / "c.wds")
     url = packio.open_dataset(f"{http_server.url}/c.wds", cache_dir=tmp_path / "cache", decode=False)
     _same_sequence([*paths[:2], served], [*paths[:2], url])
     state = _state_after(packio.mix([*paths[:2], served], WEIGHTS, epoch_samples=50, decode=False), 2)
     packio.mix([*paths[:2], url], WEIGHTS, epoch_samples=50, decode=False).load_state_dict(state)
+    monkeypatch.setenv("PACKIO_CACHE_DIR", str(tmp_path / "cache2"))
+    by_url = packio.mix([*paths[:2], f"{http_server.url}/c.wds"], WEIGHTS, epoch_samples=50, decode=False)
+    by_url.load_state_dict(state)
+    assert by_url.state_dict() == {**state, "mix": by_url.state_dict()["mix"],
+                                   "sources": by_url.state_dict()["sources"]}
+    assert [p["draws"] for p in by_url.state_dict()["sources"]] == [p["draws"] for p in state["sources"]]
 
 
 def test_one_source_on_s3(paths, bucket, s3_server, tmp_path):
