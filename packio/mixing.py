@@ -15,6 +15,7 @@ any world size, exactly as :class:`packio.PackedIterableDataset` does.
 from __future__ import annotations
 
 import math
+import numbers
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -64,7 +65,7 @@ def shares(weights: Sequence[float] | None, lengths: list[int], epoch_samples: i
     w = [float(x) for x in lengths] if weights is None else list(weights)
     if len(w) != len(lengths):
         raise ValueError(f"{len(w)} weights for {len(lengths)} sources: give one weight per source")
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w) \
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w) \
             or sum(w) <= 0:
         raise ValueError(f"weights must be finite numbers >= 0 with a positive sum, not {w!r}")
     ideal = np.asarray(w, np.float64) / sum(w) * total
