@@ -30,6 +30,7 @@ _LAZY = {
     "open_reader": "packio.urls",
     "tune": "packio.tuning",
     "show": "packio.preview",
+    "mix": "packio.mixing", "MixedDataset": "packio.mixing",
 }
 
 

@@ -22,7 +22,7 @@ FLOORS = {
     "packio.formats": 4,
     "packio.remote": 5, "packio.items": 5,
     "packio.datasets": 6, "packio.converter": 6, "packio.verifier": 6,
-    "packio.loading": 7, "packio.preview": 7, "packio.urls": 7, "packio.tuning": 8,
+    "packio.loading": 7, "packio.preview": 7, "packio.urls": 7, "packio.mixing": 7, "packio.tuning": 8,
     "packio.doctor": 9, "packio.bench": 9, "packio.cuda": 9,
     "packio.cli": 10, "packio": 10, "packio.__main__": 11,
 }

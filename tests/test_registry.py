@@ -14,10 +14,10 @@ from packio.formats import formats, register, unregister
 PUBLIC = [
     "ArrayDataset", "ArrayIterableDataset", "BMPDataset", "BMPIterableDataset", "CorruptSampleError",
     "DataLoader", "DatasetReplacedError", "DecodeOptions", "FormatError", "HDF5Dataset", "HDF5IterableDataset",
-    "LMDBDataset", "LMDBIterableDataset", "Manifest", "OutputBusyError", "OutputExistsError", "PackOptions",
+    "LMDBDataset", "LMDBIterableDataset", "Manifest", "MixedDataset", "OutputBusyError", "OutputExistsError", "PackOptions",
     "PackedDataset", "PackedIterableDataset", "PackioError", "RemoteError", "ResizeSpec", "ResumableSampler", "Sample", "SourceError", "StateError", "Summary", "TarDataset",
     "TarIterableDataset", "collate",
-    "convert", "open_dataset", "open_reader", "show", "trust_manifest", "tune", "verify",
+    "convert", "mix", "open_dataset", "open_reader", "show", "trust_manifest", "tune", "verify",
 ]
 
 

@@ -1,0 +1,57 @@
+"""Run by test_mix under torchrun (gloo, CPU): one leg of a resumed mixed run. Trains on
+``packio.mix`` with the loop of examples/resumable_training.py (checkpoint = the loader's
+state, saved by rank 0 after every step) and writes the (source, key) pairs each rank
+took, per epoch, to ``OUT/NAME.rankR.json``.
+
+The plan: ``{"name", "sources", "weights", "epoch_samples", "seed", "batch_size", "epochs",
+"num_workers", "checkpoint", "stop": [epoch, batch] or null}``; ``stop`` ends the leg (as a
+crash would) before that batch of that epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+import packio
+
+
+def main() -> None:
+    plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ds = packio.mix(plan["sources"], plan["weights"], epoch_samples=plan["epoch_samples"], seed=plan["seed"],
+                    decode=False)
+    workers = plan["num_workers"]
+    loader = packio.DataLoader(ds, batch_size=plan["batch_size"], num_workers=workers,
+                               **({"multiprocessing_context": "fork"} if workers else {}))
+    checkpoint = Path(plan["checkpoint"])
+    if checkpoint.exists():
+        loader.load_state_dict(json.loads(checkpoint.read_text()))
+    got: dict[int, list] = {}
+    stop = plan.get("stop")
+    for epoch in range(loader.epoch, plan["epochs"]):
+        loader.set_epoch(epoch)
+        for k, batch in enumerate(loader):
+            if stop == [epoch, k]:
+                break
+            got.setdefault(epoch, []).append(list(zip(batch["source"].tolist(), batch["key"])))
+            dist.barrier()  # ranks step together, as DDP's all-reduce makes them
+            if rank == 0:
+                tmp = checkpoint.with_name(checkpoint.name + ".tmp")
+                tmp.write_text(json.dumps(loader.state_dict()))
+                os.replace(tmp, checkpoint)
+        else:
+            continue
+        break
+    (out / f"{plan['name']}.rank{rank}.json").write_text(json.dumps(got))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""packio.mix: several datasets streamed by weight, resumable exactly on any world size.
+
+Samples are counted as (source, key): the sources' keys are distinct (a…, b…, c…), so
+a sample handed out under the wrong source, or twice, shows."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import packio
+from conftest import jpeg
+from packio.mixing import shares
+
+SOURCES = (("a", 30, "wds", (12, 16)), ("b", 20, "lmdb", (20, 10)), ("c", 12, "wds", (9, 9)))
+WEIGHTS = [0.5, 0.3, 0.2]
+
+
+def pack(root: Path, name: str, n: int, fmt: str, hw: tuple[int, int], out: Path | None = None) -> str:
+    src = root / f"src-{name}" / "x"
+    if not src.exists():
+        src.mkdir(parents=True)
+        for k in range(n):
+            (src / f"{name}{k:03d}.jpg").write_bytes(jpeg(*hw, 100 * ord(name) + k))
+    target = out or root / f"{name}.{fmt}"
+    return str(packio.convert(src.parent, target, shard_samples=8, progress=False).output)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("mix")
+    return [pack(root, *spec) for spec in SOURCES]
+
+
+def keys_of(paths: list[str]) -> list[set[str]]:
+    return [{packio.open_dataset(p, decode=False).sample(i).key for i in range(n)}
+            for p, (_, n, _, _) in zip(paths, SOURCES)]
+
+
+def run_epochs(ds, epochs: int) -> list[list[tuple[int, str]]]:
+    out = []
+    for e in range(epochs):
+        ds.set_epoch(e)
+        out.append([(x["source"], x["key"]) for x in ds])
+    return out
+
+
+def test_shares_are_the_weights_largest_remainder_rounded():
+    for weights, total in (([1, 1, 1], 100), ([0.5, 0.3, 0.2], 101), ([0.7, 0.2, 0.1], 7), ([5, 0, 1], 13)):
+        counts = shares(weights, [10, 10, 10], total)
+        assert sum(counts) == total
+        exact = np.asarray(weights, float) / sum(weights) * total
+        assert np.all(np.abs(np.asarray(counts) - exact) < 1), (weights, counts)
+    assert shares(None, [3, 5, 0], None) == [3, 5, 0]  # default: each source's length
+    for bad in ([1, -1, 1], [0, 0, 0], [1, float("nan"), 1], [1, 1]):
+        with pytest.raises(ValueError):
+            shares(bad, [10, 10, 10], 30)
+    with pytest.raises(ValueError, match="hold no samples"):
+        shares([1, 1, 1], [10, 0, 10], 30)
+
+
+def test_per_epoch_counts_match_weights_and_each_source_sample_once_per_source_epoch(paths):
+    """Every mix epoch draws exactly its share from each source; a source's draws, read on
+    across mix epochs, cover all its samples once per source epoch, reshuffled each time."""
+    keys = keys_of(paths)
+    epochs = run_epochs(packio.mix(paths, WEIGHTS, epoch_samples=100, seed=3, decode=False), 3)
+    for seq in epochs:
+        assert Counter(s for s, _ in seq) == {0: 50, 1: 30, 2: 20}
+    for s, want in enumerate(keys):
+        drawn = [k for seq in epochs for src, k in seq if src == s]
+        chunks = [drawn[a:a + len(want)] for a in range(0, len(drawn), len(want))]
+        for chunk in chunks:
+            assert len(set(chunk)) == len(chunk) and set(chunk) <= want, f"source {s}: repeat or foreign key"
+        full = [c for c in chunks if len(c) == len(want)]
+        assert len(full) >= 3 and len({tuple(c) for c in full}) == len(full), f"source {s} was not reshuffled"
+    assert epochs[0] != epochs[1]
+    again = run_epochs(packio.mix(paths, WEIGHTS, epoch_samples=100, seed=3, decode=False), 3)
+    assert again == epochs  # a pure function of (seed, epoch)
+    other = run_epochs(packio.mix(paths, WEIGHTS, epoch_samples=100, seed=4, decode=False), 1)
+    assert other[0] != epochs[0]
+
+
+def test_default_weights_read_every_sample_once_and_replacement_repeats(paths):
+    keys = keys_of(paths)
+    for seq in run_epochs(packio.mix(paths, decode=False), 2):
+        assert sorted(seq) == sorted((s, k) for s, ks in enumerate(keys) for k in ks)
+    seq = run_epochs(packio.mix(paths, WEIGHTS, epoch_samples=100, replacement=True, decode=False), 1)[0]
+    assert Counter(s for s, _ in seq) == {0: 50, 1: 30, 2: 20}
+    assert all(k in keys[s] for s, k in seq)
+    assert len(set(seq)) < len(seq)  # 50 picks from 30 samples: repeats, as said
+
+
+def test_mixed_batches_one_shape_with_resize_and_right_pixels(paths):
+    """A batch draws from several sources of different image sizes: with resize it is one
+    [B, C, H, W] tensor; every row is its own source's sample (pixels, label, index, key)."""
+    ds = packio.mix(paths, WEIGHTS, epoch_samples=40, resize=(8, 8))
+    own = [packio.open_dataset(p, resize=(8, 8)) for p in paths]
+    sources_seen = set()
+    for b in packio.DataLoader(ds, batch_size=10, num_workers=2, multiprocessing_context="fork"):
+        assert isinstance(b["image"], torch.Tensor) and b["image"].shape == (10, 3, 8, 8)
+        assert b["source"].dtype == torch.int64 and len(b["boxes"]) == 10
+        sources_seen |= set(b["source"].tolist())
+        for j, (s, i) in enumerate(zip(b["source"].tolist(), b["index"].tolist())):
+            item = own[s][i]
+            assert item["key"] == b["key"][j] and item["label"] == b["label"][j]
+            assert torch.equal(item["image"], b["image"][j])
+    assert sources_seen == {0, 1, 2}
+    # without resize the shapes differ: the batch's images are a list, each its own size
+    b = next(iter(packio.DataLoader(packio.mix(paths, WEIGHTS, epoch_samples=40), batch_size=10)))
+    assert isinstance(b["image"], list) and len({tuple(im.shape) for im in b["image"]}) > 1
+    for s, im in zip(b["source"].tolist(), b["image"]):
+        assert tuple(im.shape[1:]) == SOURCES[s][3]
+    items = list(packio.mix(paths, WEIGHTS, epoch_samples=4, decode=False))
+    assert all(x["source"] in (0, 1, 2) for x in items)
+
+
+def _leg(paths, state, world: int, workers: int, stop: tuple[int, int] | None, epochs: int):
+    """One job on ``world`` simulated ranks (each a packio.DataLoader with real worker processes),
+    stepping together; stops before batch ``stop[1]`` of epoch ``stop[0]``. Returns the global
+    sequence per epoch (the ranks' samples interleaved) and the state saved last."""
+    loaders = []
+    for r in range(world):
+        ds = packio.mix(paths, WEIGHTS, epoch_samples=70, seed=1, decode=False, rank=r, world_size=world)
+        args = {"num_workers": workers, "multiprocessing_context": "fork"} if workers else {}
+        loaders.append(packio.DataLoader(ds, batch_size=4, **args))
+        if state is not None:
+            loaders[-1].load_state_dict(state)
+    got: dict[int, list] = {}
+    for epoch in range(loaders[0].epoch, epochs):
+        for ld in loaders:
+            ld.set_epoch(epoch)
+        for k, batches in enumerate(zip(*loaders)):
+            if stop == (epoch, k):
+                return got, state
+            ranks = [list(zip(b["source"].tolist(), b["key"])) for b in batches]
+            got.setdefault(epoch, []).extend(x for step in zip(*ranks) for x in step)
+            states = [ld.state_dict() for ld in loaders]
+            assert all(s == states[0] for s in states), "ranks disagree on the state"
+            state = states[0]
+    return got, state
+
+
+def test_resume_2_3_1_ranks_other_workers_is_the_uninterrupted_sequence(paths):
+    whole, _ = _leg(paths, None, 1, 0, None, 2)
+    assert [len(whole[e]) for e in (0, 1)] == [70, 70]
+    legs = ((2, 2, (0, 5)), (3, 1, (1, 3)), (1, 2, None))
+    state, seqs = None, {0: [], 1: []}
+    for world, workers, stop in legs:
+        got, state = _leg(paths, state, world, workers, stop, 2)
+        for e, seq in got.items():
+            seqs[e].extend(seq)
+        assert state["world_size"] == world
+    for e in (0, 1):
+        assert seqs[e] == whole[e], f"epoch {e}: the resumed legs differ from the uninterrupted run"
+    pos = state["sources"]  # after the last epoch: each source's draws are its counts times the epochs
+    assert [p["draws"] for p in pos] == [2 * c for c in shares(WEIGHTS, [30, 20, 12], 70)]
+
+
+def _state_after(ds, batches: int) -> dict:
+    loader = packio.DataLoader(ds, batch_size=4)
+    for k, _ in enumerate(loader):
+        if k + 1 == batches:
+            return loader.state_dict()
+    raise AssertionError("too few batches")
+
+
+def test_a_state_from_another_mix_is_a_state_error(paths, tmp_path):
+    def make(srcs=paths, weights=WEIGHTS, **kw):
+        return packio.mix(srcs, weights, **{"epoch_samples": 60, "seed": 2, "decode": False, **kw})
+
+    state = _state_after(make(), 3)
+    ok = make()
+    ok.load_state_dict(state)  # the same mix: fine, and it continues after the 12 samples
+    assert ok.state_dict()["consumed"] == 12
+    other_data = pack(tmp_path, "c", 12, "wds", (9, 9), out=tmp_path / "c2.wds")  # same files, another dataset
+    others = {"weights": make(weights=[0.4, 0.4, 0.2]), "seed": make(seed=3), "epoch_samples": make(epoch_samples=61),
+              "replacement": make(replacement=True), "order": make(srcs=[paths[1], paths[0], paths[2]]),
+              "fewer": make(srcs=paths[:2], weights=WEIGHTS[:2]), "dataset": make(srcs=[*paths[:2], other_data]),
+              "window": make(window=4)}
+    for name, ds in others.items():
+        with pytest.raises(packio.StateError):
+            ds.load_state_dict(state)
+        assert ds.state_dict()["consumed"] == 0, name
+    tampered = {**state, "sources": [{**state["sources"][0], "draws": 0}, *state["sources"][1:]]}
+    with pytest.raises(packio.StateError, match="source positions"):
+        make().load_state_dict(tampered)
+    single = packio.open_dataset(paths[0], iterable=True, shuffle=True, decode=False)
+    with pytest.raises(packio.StateError, match="mix"):
+        single.load_state_dict(state)
+    with pytest.raises(packio.StateError):
+        make().load_state_dict(_state_after(single, 2))
+
+
+def _same_sequence(local: list, remote: list, workers: int = 2) -> None:
+    def seq(srcs):
+        ds = packio.mix(srcs, WEIGHTS, epoch_samples=50, seed=5, decode=False)
+        out = []
+        for b in packio.DataLoader(ds, batch_size=5, num_workers=workers, multiprocessing_context="fork"):
+            out += list(zip(b["source"].tolist(), b["key"]))
+        return out
+
+    assert seq(remote) == seq(local)
+
+
+def test_one_source_over_http(paths, http_server, tmp_path, monkeypatch):
+    """A source read from an HTTP server (streamed shards, planned per source in each worker)
+    mixes exactly as the same dataset read locally; a state moves between the two (and to a
+    mix given the URL itself)."""
+    served = pack(Path(paths[2]).parent, "c", 12, "wds", (9, 9), out=http_server.root / "c.wds")
+    url = packio.open_dataset(f"{http_server.url}/c.wds", cache_dir=tmp_path / "cache", decode=False)
+    _same_sequence([*paths[:2], served], [*paths[:2], url])
+    state = _state_after(packio.mix([*paths[:2], served], WEIGHTS, epoch_samples=50, decode=False), 2)
+    packio.mix([*paths[:2], url], WEIGHTS, epoch_samples=50, decode=False).load_state_dict(state)
+    monkeypatch.setenv("PACKIO_CACHE_DIR", str(tmp_path / "cache2"))
+    by_url = packio.mix([*paths[:2], f"{http_server.url}/c.wds"], WEIGHTS, epoch_samples=50, decode=False)
+    by_url.load_state_dict(state)
+    assert by_url.state_dict() == {**state, "mix": by_url.state_dict()["mix"],
+                                   "sources": by_url.state_dict()["sources"]}
+    assert [p["draws"] for p in by_url.state_dict()["sources"]] == [p["draws"] for p in state["sources"]]
+
+
+def test_one_source_on_s3(paths, bucket, s3_server, tmp_path):
+    """The same folder packed locally and to a bucket mixes into the same sequence."""
+    local = pack(Path(paths[1]).parent, "b", 20, "wds", (20, 10), out=tmp_path / "b.wds")
+    packio.convert(Path(paths[1]).parent / "src-b", f"s3://{bucket}/b.wds", shard_samples=8, progress=False)
+    remote = packio.open_dataset(f"s3://{bucket}/b.wds", cache_dir=tmp_path / "cache", decode=False)
+    _same_sequence([paths[0], local, paths[2]], [paths[0], remote, paths[2]])
+
+
+def _interleave(ranks: list[list[list]]) -> list[tuple[int, str]]:
+    flat = [[tuple(x) for b in batches for x in b] for batches in ranks]
+    assert len({len(f) for f in flat}) == 1, "ranks took different numbers of samples"
+    return [f[j] for j in range(len(flat[0])) for f in flat]
+
+
+def test_torchrun_resume_2_3_1_ranks_other_workers(paths, tmp_path):
+    """Real processes: torchrun on 2 ranks stops mid epoch 0, on 3 ranks (other num_workers)
+    stops mid epoch 1, on 1 rank finishes; together they are the uninterrupted sequence."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    common = {"sources": paths, "weights": WEIGHTS, "epoch_samples": 60, "seed": 7, "batch_size": 4, "epochs": 2,
+              "checkpoint": str(tmp_path / "ck.json")}
+    seqs: dict[str, list] = {"0": [], "1": []}
+    for world, workers, stop in ((2, 2, [0, 3]), (3, 0, [1, 2]), (1, 1, None)):
+        plan = tmp_path / f"plan-{world}.json"
+        plan.write_text(json.dumps({**common, "name": f"w{world}", "num_workers": workers, "stop": stop}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               str(ROOT / "tests" / "mix_worker.py"), str(plan), str(tmp_path)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+        ranks = [json.loads((tmp_path / f"w{world}.rank{k}.json").read_text()) for k in range(world)]
+        for e in seqs:
+            if any(e in rk for rk in ranks):
+                seqs[e] += _interleave([rk.get(e, []) for rk in ranks])
+    whole = run_epochs(packio.mix(paths, WEIGHTS, epoch_samples=60, seed=7, decode=False), 2)
+    for e in (0, 1):
+        assert seqs[str(e)] == whole[e], f"epoch {e}"
