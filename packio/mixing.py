@@ -231,6 +231,10 @@ class MixedDataset(PackedIterableDataset):
                 out[choices == s] = offsets[s] + self._draws(s, epoch * c, c)
         return out
 
+    def _order_args(self) -> dict[str, Any]:
+        """The window; the sources' ids and lengths are checked as the mix's identity (``mix``)."""
+        return {"window": self.window}
+
     def _identity(self) -> dict[str, Any]:
         ids = [it.reader.manifest.id for it in self.items.items]  # type: ignore[attr-defined]
         return {"sources": [{"name": n, "id": i, "length": size} for n, i, size in zip(self.names, ids, self.lengths)],
@@ -252,14 +256,15 @@ class MixedDataset(PackedIterableDataset):
     def _state(self, consumed: int, epoch: int | None = None) -> dict[str, Any]:
         epoch = self.epoch if epoch is None else epoch
         state = make_state(self.kind, epoch=epoch, consumed=consumed, length=self.length, seed=self.seed,
-                           shuffle=True, world=self.world_size, even=self.even)
+                           shuffle=True, world=self.world_size, even=self.even, **self._order_args())
         return {**state, "mix": self._identity(), "sources": self.positions(epoch, consumed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """As :meth:`PackedIterableDataset.load_state_dict`; a state saved by another mix
         (other sources, weights, ``epoch_samples``, seed or ``replacement``) is a
         :class:`packio.StateError`."""
-        epoch, consumed = read_state(state, self.kind, length=self.length, seed=self.seed, shuffle=True)
+        epoch, consumed = read_state(state, self.kind, length=self.length, seed=self.seed, shuffle=True,
+                                     **self._order_args())
         got, want = state.get("mix"), self._identity()
         for name in want:
             a = got.get(name) if isinstance(got, dict) else None
