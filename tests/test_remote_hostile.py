@@ -339,7 +339,7 @@ def test_fork_workers_leave_the_parent_and_each_other_clean(gen_folder, tmp_path
 
 
 _LOADER_CHILD = r"""
-import json, resource, sys, time, urllib.request
+import gc, json, resource, sys, time, urllib.request
 limit_as, limit_fsize = int(sys.argv[3]), int(sys.argv[4])
 resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit_fsize, limit_fsize))
@@ -350,6 +350,8 @@ server, cache = sys.argv[1], sys.argv[2]
 fast = dict(retries=3, timeout=0.5, retry_seconds=2.0, decode=False)
 for mode in sys.argv[5].split(","):
     for iterable in (True, False) if mode != "stall" else (True,):  # map-style stalls: test_stalled_body...
+        gc.collect()  # the last failed loader's iterator (held by its traceback) stops its workers; left
+        # running, they keep hammering this one-process test server and starve the next open's 0.5 s reads
         urllib.request.urlopen(f"{server}/__mode/{mode}", timeout=5).read()
         ds = packio.open_dataset(f"{server}/ds.wds", iterable=iterable, cache_dir=f"{cache}/{mode}{iterable}",
                                  **fast)
