@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 from packio import decode as dec
-from packio.datasets import DataLoader, PackedDataset
-from packio.doctor.measure import Rate, throughput
+from packio.datasets import PackedDataset
 from packio.doctor.stages import StageCosts
+from packio.loading import DataLoader
+from packio.measure import Rate, throughput
 
 __all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "measure_packed", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack"]
 

@@ -15,12 +15,12 @@ import numpy as np
 
 from packio.doctor import candidates as cand
 from packio.doctor.limits import CGROUP_ROOT, Budget, budget, check_options
-from packio.doctor.measure import Rate
 from packio.doctor.candidates import Candidate
 from packio.doctor.gpu import GpuVerdict, measure_gpu_decode, verdict
 from packio.doctor.source import Source, disk_bytes, open_source
 from packio.doctor.stages import StageCosts, measure_stages, transfer_cost
 from packio.errors import PackioError
+from packio.measure import Rate
 
 __all__ = ["Diagnosis", "diagnose"]
 
