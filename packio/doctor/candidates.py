@@ -202,7 +202,7 @@ def reader_lines(path: str, resize: int | None, batch_size: int, settings: dict[
 def pack(src: Path, dst: Path, layout: Layout, workers: int) -> tuple[int, float]:
     """Pack ``src`` (the exported sample, or another layout's pack of it) into
     ``layout`` at ``dst``: (samples packed, seconds)."""
-    from packio.converter import convert
+    from packio.pack import convert
 
     t = time.perf_counter()
     s = convert(src, dst, format=layout.format, resize=layout.resize, workers=workers, progress=False,
