@@ -170,7 +170,7 @@ def dask(argv: list[str]) -> int:
     rows = []
     with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                       silence_logs=40) as cluster, Client(cluster) as client:
-        client.run(lambda: __import__("packio.converter"))  # warm the workers' imports
+        client.run(lambda: __import__("packio.pack"))  # warm the workers' imports
         for suffix, kw in formats.items():
             modes = {"single": {}, "pool": {"workers": a.workers}, "dask": {"scheduler": client}}
             got = interleaved({m: (lambda m=m, x=x: _warm(src) or _pack_seconds(src, out / f"{m}{suffix}",

@@ -248,7 +248,7 @@ def _backend(name: str, make: Callable[[], Any] | None = None) -> Any:
 def measure(builders: dict[str, Callable], rounds: int) -> tuple[dict[str, dict], dict[str, str]]:
     """Build every pipeline (skipping the unavailable), one warm-up epoch each, then
     alternating rounds of one epoch each: img/s, CPU cores busy, GPU memory."""
-    from packio.doctor.measure import cpu_seconds
+    from packio.measure import cpu_seconds
 
     built, skipped, stats = {}, {}, {}
     for name, build in builders.items():

@@ -13,7 +13,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "convert": "packio.urls", "Summary": "packio.converter",
+    "convert": "packio.urls", "Summary": "packio.pack",
     "verify": "packio.urls",
     "collate": "packio.collation",
     "ResizeSpec": "packio.decode",

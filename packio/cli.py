@@ -110,7 +110,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
 def _cmd_info(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from packio.converter import describe_history, describe_output
+    from packio.pack.report import describe_history, describe_output
     from packio.formats import open_reader
     from packio.manifest import disk_bytes
     from packio.urls import is_url
@@ -238,14 +238,31 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="packio", description="Pack image datasets once; read them fast.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _add_convert(sub)
+
+    i = sub.add_parser("info", help="show what a packed dataset holds, how to open it, and its history")
+    i.add_argument("path")
+    i.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    i.set_defaults(fn=_cmd_info)
+
+    v = sub.add_parser("verify", help="re-read everything and check checksums (exit 1 when damaged)")
+    v.add_argument("path")
+    v.set_defaults(fn=_cmd_verify)
+
+    _add_show(sub)
+    _add_doctor(sub)
+    sub.add_parser("bench", help="compare formats on one dataset; 'packio bench --help' for its options")
+    return p
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
     from packio.formats import formats
     from packio.options import CHECKS, ENCODE_CHOICES, RANGES
 
     table = formats()  # format names and suffixes: whatever the registry holds
     suffixes = " ".join(s for spec in table.values() for s in spec.suffixes)
-    p = _Parser(prog="packio", description="Pack image datasets once; read them fast.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
     c = sub.add_parser("convert", help="pack an image folder (+ CSV) or a packed dataset into a format",
                        description="Pack SRC into DST. The format comes from DST's suffix: "
                                    + ", ".join(f"x{spec.suffixes[0]} ({name})" for name, spec in table.items())
@@ -291,20 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--verbose", action="store_true", help="list every skipped input")
     c.set_defaults(fn=_cmd_convert)
-
-    i = sub.add_parser("info", help="show what a packed dataset holds, how to open it, and its history")
-    i.add_argument("path")
-    i.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
-    i.set_defaults(fn=_cmd_info)
-
-    v = sub.add_parser("verify", help="re-read everything and check checksums (exit 1 when damaged)")
-    v.add_argument("path")
-    v.set_defaults(fn=_cmd_verify)
-
-    _add_show(sub)
-    _add_doctor(sub)
-    sub.add_parser("bench", help="compare formats on one dataset; 'packio bench --help' for its options")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -496,10 +496,6 @@ def format_classes() -> dict[str, type]:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "DataLoader":  # it lives in packio.loading (which imports this module); kept importable from here
-        from packio.loading import DataLoader
-
-        return DataLoader
     cls = format_classes().get(name) if name.endswith("Dataset") else None
     if cls is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,8 +12,7 @@ __all__ = ["tune", "default_trials"]
 def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any]) -> float:
     from packio.datasets import PackedIterableDataset
     from packio.loading import DataLoader
-
-    from packio.doctor.measure import throughput
+    from packio.measure import throughput
 
     shuffle = not isinstance(dataset, PackedIterableDataset)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)

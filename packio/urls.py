@@ -28,9 +28,9 @@ def open_reader(path: Any, **remote: Any) -> Any:
 
 def convert(src: str | Path, dst: str | Path, *args: Any, storage_options: dict[str, Any] | None = None,
             tmp_dir: str | Path | None = None, **kwargs: Any) -> Any:
-    """:func:`packio.converter.convert`; to a URL: packed into a local staging folder,
+    """:func:`packio.pack.convert`; to a URL: packed into a local staging folder,
     then uploaded (files first, the manifest last; see :mod:`packio.remote.upload`)."""
-    from packio.converter import convert as convert_local
+    from packio.pack import convert as convert_local
 
     if not is_url(dst):
         return convert_local(src, dst, *args, **kwargs)

@@ -250,7 +250,7 @@ def test_cpu_seconds_counts_worker_processes():
     """The CPU time behind the busy-machine ranking includes live child processes."""
     import multiprocessing as mp
 
-    from packio.doctor.measure import cpu_seconds
+    from packio.measure import cpu_seconds
 
     ctx = mp.get_context("fork")
     go = ctx.Event()

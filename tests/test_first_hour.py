@@ -16,8 +16,9 @@ import xxhash
 import packio
 from conftest import jpeg, shared
 from packio import decode as dec
-from packio.converter import auto_workers, plan_shards
 from packio.errors import FormatError
+from packio.pack.plan import plan_shards
+from packio.pack.workers import auto_workers
 
 HYM_FILES = 397  # JPEGs in hymenoptera_data (plus one GIF that is skipped)
 

@@ -146,7 +146,7 @@ import torch  # noqa: E402
 
 import packio  # noqa: E402
 from packio import decode as dec  # noqa: E402
-from packio.converter import REORIENTED  # noqa: E402
+from packio.pack.prepare import REORIENTED  # noqa: E402
 from packio.formats import formats  # noqa: E402
 
 COLOURS = {"red": (230, 25, 25), "green": (25, 200, 25), "blue": (25, 25, 230)}

@@ -1,9 +1,11 @@
-"""The floors of docs/layout.md (and ../shared/DESIGN.md) hold: every
-import run when a module is imported points to a lower floor, and there are no
-import-time cycles. Read from the source (tests/module_map.py), not from sys.modules."""
+"""The floors of docs/layout.md (and ../shared/DESIGN.md) hold: every import run when a
+module is imported points to a lower floor, there is no import cycle (not even through
+imports inside functions), and no function is over 60 lines. Read from the source
+(tests/module_map.py), not from sys.modules."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -15,18 +17,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # Floors: a module may import (at import time) only modules of lower floors, or of its own
 # subpackage. Subpackages have one floor each.
 FLOORS = {
-    "packio.errors": 0, "packio.geometry": 0, "packio.collation": 0,
+    "packio.errors": 0, "packio.geometry": 0, "packio.collation": 0, "packio.measure": 0,
     "packio.order": 1, "packio.limits": 1,
     "packio.sample": 2, "packio.manifest": 2, "packio.decode": 2,
     "packio.sources": 3, "packio.census": 3, "packio.options": 3,
     "packio.formats": 4,
     "packio.remote": 5, "packio.items": 5,
-    "packio.datasets": 6, "packio.converter": 6, "packio.verifier": 6,
+    "packio.datasets": 6, "packio.pack": 6, "packio.verifier": 6,
     "packio.loading": 7, "packio.preview": 7, "packio.urls": 7, "packio.mixing": 7, "packio.tuning": 8,
     "packio.doctor": 9, "packio.bench": 9, "packio.cuda": 9,
     "packio.cli": 10, "packio": 10, "packio.__main__": 11,
 }
-SUBPACKAGES = ("packio.formats", "packio.remote", "packio.doctor", "packio.bench", "packio.cuda", "packio.sources")
+SUBPACKAGES = ("packio.formats", "packio.remote", "packio.doctor", "packio.bench", "packio.cuda", "packio.sources",
+               "packio.pack")
 
 
 def _map(top_level_only: bool) -> dict[str, set[str]]:
@@ -71,17 +74,22 @@ def test_urls_at_one_edge():
     URLs are resolved by packio.urls (and open_dataset), above all three."""
     anywhere = _map(top_level_only=False)
     users = sorted(a for a, imports in anywhere.items() for b in imports if _group(b) == "packio.remote"
-                   and _group(a) in ("packio.formats", "packio.converter", "packio.verifier"))
+                   and _group(a) in ("packio.formats", "packio.pack", "packio.verifier"))
     assert users == []
+
+
+def test_no_import_cycles(eager):
+    """No cycle among modules, nor among floors' rooms (a subpackage counts as one), through
+    any import anywhere in a file: module body, functions, ``if TYPE_CHECKING``, ``__getattr__``."""
     from module_map import cycles
 
-    assert cycles(anywhere) == [] or all("packio.remote" not in {_group(m) for m in c} for c in cycles(anywhere))
-
-
-def test_no_import_time_cycles(eager):
-    from module_map import cycles
-
+    anywhere = _map(top_level_only=False)
     assert cycles(eager) == []
+    assert cycles(anywhere) == [], "import cycles (lazy imports included): break them, do not hide them"
+    rooms: dict[str, set[str]] = {}
+    for a, imports in anywhere.items():
+        rooms.setdefault(_group(a), set()).update(_group(b) for b in imports if _group(b) != _group(a))
+    assert cycles(rooms) == [], "import cycles between subpackages and modules (lazy imports included)"
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checker finds one
 
 
@@ -92,3 +100,52 @@ def test_docs_layout_names_every_module():
     names += [f"{p.name}/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
     missing = [n for n in names if f"`{n}" not in page]
     assert not missing, f"docs/layout.md does not name {missing}: say where each module sits"
+
+
+def test_module_map_sees_lazy_imports():
+    """The map the cycle check reads counts imports inside functions and ``__getattr__``."""
+    anywhere = _map(top_level_only=False)
+    assert "packio.loading" in anywhere["packio.tuning"]  # imported inside tuning._rate only
+    assert "packio.remote" in anywhere["packio.datasets"]  # inside open_dataset only
+    assert "packio.loading" not in _map(top_level_only=True)["packio.tuning"]
+
+
+MAX_LINES = 60
+
+
+def function_lengths(root: Path) -> dict[str, int]:
+    """``{"path::Qual.name": lines}`` for every function and method under ``root/packio``
+    (nested ones too), counted from the ``def`` line to the last line of the body."""
+    out: dict[str, int] = {}
+    for path in sorted((root / "packio").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        todo: list[tuple[ast.AST, str]] = [(ast.parse(path.read_text(), str(path)), "")]
+        while todo:
+            node, prefix = todo.pop()
+            for child in ast.iter_child_nodes(node):
+                name = prefix
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = f"{prefix}{child.name}"
+                    if not isinstance(child, ast.ClassDef):
+                        out[f"{rel}::{name}"] = child.end_lineno - child.lineno + 1
+                    name += "."
+                todo.append((child, name))
+    return out
+
+
+def test_no_function_over_60_lines():
+    """No function or method anywhere in packio/ is over 60 lines (docstring included)."""
+    long = {f: n for f, n in function_lengths(ROOT).items() if n > MAX_LINES}
+    assert not long, f"functions over {MAX_LINES} lines: split them (one job each): {long}"
+
+
+def test_function_lengths_sees_nested_functions_and_methods(tmp_path):
+    def body(indent: int) -> str:
+        return "".join(f"{' ' * indent}x{i} = {i}\n" for i in range(MAX_LINES))
+
+    (tmp_path / "packio").mkdir()
+    (tmp_path / "packio" / "m.py").write_text(
+        f"class C:\n    def long(self):\n{body(8)}\ndef outer():\n    def inner():\n{body(8)}    return inner\n")
+    found = function_lengths(tmp_path)
+    assert found == {"packio/m.py::C.long": MAX_LINES + 1, "packio/m.py::outer": MAX_LINES + 3,
+                     "packio/m.py::outer.inner": MAX_LINES + 1}

@@ -13,9 +13,9 @@ import torch
 import packio
 import toyformat
 from packio import DecodeOptions, PackOptions, ResizeSpec
-from packio.converter import output_format
 from packio.errors import FormatError, PackioError
 from packio.formats import register, unregister
+from packio.pack import output_format
 
 
 def _payloads(path: Path) -> dict[str, tuple[str, bytes]]:

@@ -134,7 +134,7 @@ def limit_l1(blobs: list[bytes], procs: int, cpu: list[float] | None = None) -> 
     """Fastest available decode + resize of in-memory bytes, in ``procs`` processes
     (each forked process already holds the bytes: nothing crosses a pipe).
     ``cpu``: gets the CPU seconds per sample appended (all processes)."""
-    from packio.doctor.measure import cpu_seconds
+    from packio.measure import cpu_seconds
 
     _BLOBS[:] = blobs
     n = len(blobs)
@@ -322,7 +322,7 @@ def _labels(batch: Any) -> Any:
 def _timed_epoch(loader: Any, cold: bool, warmup: int | None) -> dict[str, Any]:
     """Warm: an untimed warm-up (``warmup`` batches, None: a whole epoch), then one timed
     epoch. Cold: a fresh epoch timed after its first batch (start-up reported apart)."""
-    from packio.doctor.measure import cpu_seconds
+    from packio.measure import cpu_seconds
 
     n_warm = 0
     if not cold:

@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 from packio import decode as dec
-from packio.datasets import DataLoader, PackedDataset
-from packio.doctor.measure import Rate, throughput
+from packio.datasets import PackedDataset
 from packio.doctor.stages import StageCosts
+from packio.loading import DataLoader
+from packio.measure import Rate, throughput
 
 __all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "measure_packed", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack"]
 
@@ -201,7 +202,7 @@ def reader_lines(path: str, resize: int | None, batch_size: int, settings: dict[
 def pack(src: Path, dst: Path, layout: Layout, workers: int) -> tuple[int, float]:
     """Pack ``src`` (the exported sample, or another layout's pack of it) into
     ``layout`` at ``dst``: (samples packed, seconds)."""
-    from packio.converter import convert
+    from packio.pack import convert
 
     t = time.perf_counter()
     s = convert(src, dst, format=layout.format, resize=layout.resize, workers=workers, progress=False,

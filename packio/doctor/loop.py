@@ -24,8 +24,8 @@ from typing import IO, Any, Iterable, Iterator
 
 import numpy as np
 
-from packio.doctor.measure import batch_len, percentile_ms, throughput
 from packio.errors import PackioError
+from packio.measure import batch_len, percentile_ms, throughput
 
 __all__ = ["WatchReport", "Watch", "advise", "watch"]
 INPUT_BOUND = 0.10  # waiting less than this share of the time: a faster loader would not speed training up

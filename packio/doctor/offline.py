@@ -3,24 +3,25 @@ a ranked recommendation. Bounded by ``seconds``; sized to the CPU/memory budget.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from packio.doctor import candidates as cand
 from packio.doctor.limits import CGROUP_ROOT, Budget, budget, check_options
-from packio.doctor.measure import Rate
 from packio.doctor.candidates import Candidate
 from packio.doctor.gpu import GpuVerdict, measure_gpu_decode, verdict
 from packio.doctor.source import Source, disk_bytes, open_source
 from packio.doctor.stages import StageCosts, measure_stages, transfer_cost
 from packio.errors import PackioError
+from packio.measure import Rate
 
 __all__ = ["Diagnosis", "diagnose"]
 
@@ -142,6 +143,37 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     # wall time per sample pass, preemption by other processes included: what packing will see
     stage_wall = (time.perf_counter() - t_stages) / (2 * max(stages.n, 1) + 1)
     notes: list[str] = []
+    p = _plan(n, order, stages, stage_wall, size=size, batch_size=batch_size, seconds=seconds, ncpu=ncpu, b=b,
+              t0=t0, csv=bool(csv), notes=notes)
+    with _workdir(work, keep, say) as root:
+        run = _Run(src, p.idx, size, batch_size, root, src.export(p.idx, root / "sample"), p.pack_workers,
+                   p.workers, p.threads, p.quick, xfer, say)
+        out = _measure_all(run, p.lays, t0 + seconds, p.pack_est, p.first_batch, stages, notes)
+
+    ranked, busy = _rank(out, src.count, b, ncpu, load_before, notes)
+    return Diagnosis(source=src.describe(), count=src.count, sample=len(p.idx), size=size, batch_size=batch_size,
+                     step_ms=step_ms, budget=b, cpus=ncpu, workers_tried=[0] if p.quick else p.workers, stages=stages,
+                     candidates=ranked, gpu=_gpu(run, ranked, stages, ncpu, step_ms, gpu_decode_ms),
+                     seconds=seconds, elapsed=time.perf_counter() - t0, busy=busy, notes=notes)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one diagnosis measures: the sample, the layouts and the loader settings to try."""
+
+    lays: list[cand.Layout]
+    idx: list[int]  # the sample, as source indices
+    pack_workers: int
+    workers: list[int]
+    threads: tuple[int, ...]
+    pack_est: dict[str, float]  # layout tag → its estimated packing seconds
+    first_batch: float  # seconds each trial waits for its first batch
+    quick: bool  # too little time for packio.tune: one setting per layout
+
+
+def _plan(n: int, order: list[int], stages: StageCosts, stage_wall: float, *, size: int, batch_size: int,
+          seconds: float, ncpu: int, b: Budget, t0: float, csv: bool, notes: list[str]) -> _Plan:
+    """Fit the sample and the settings to ``seconds`` and the budget; ``notes`` say what was cut."""
     if csv:
         notes.append("the CSV's boxes are not packed into the sample: they change little of a sample's cost")
     if stages.skipped:
@@ -173,23 +205,20 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     if quick:
         notes.append(f"--seconds {seconds:g} leaves no time to tune: every layout was timed with num_workers=0, "
                      f"threads={max(threads)} (raise --seconds for packio.tune's pick)")
+    return _Plan(lays, idx, pack_workers, workers, threads, pack_est, first_batch, quick)
 
+
+@contextlib.contextmanager
+def _workdir(work: str | Path | None, keep: bool, say: Callable[[str], None]) -> Iterator[Path]:
+    """A temporary folder (under ``work``) for the packed samples, removed afterwards unless ``keep``."""
     root = Path(tempfile.mkdtemp(prefix="packio-doctor-", dir=str(work) if work else None))
     try:
-        run = _Run(src, idx, size, batch_size, root, src.export(idx, root / "sample"), pack_workers, workers,
-                   threads, quick, xfer, say)
-        out = _measure_all(run, lays, t0 + seconds, pack_est, first_batch, stages, notes)
+        yield root
     finally:
         if keep:
             say(f"kept the packed samples in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-
-    ranked, busy = _rank(out, src.count, b, ncpu, load_before, notes)
-    return Diagnosis(source=src.describe(), count=src.count, sample=len(idx), size=size, batch_size=batch_size,
-                     step_ms=step_ms, budget=b, cpus=ncpu, workers_tried=[0] if quick else workers, stages=stages,
-                     candidates=ranked, gpu=_gpu(run, ranked, stages, ncpu, step_ms, gpu_decode_ms),
-                     seconds=seconds, elapsed=time.perf_counter() - t0, busy=busy, notes=notes)
 
 
 def _load() -> float:

@@ -153,7 +153,7 @@ def transfer_cost(batch_size: int, size: int, seconds: float = 0.5) -> float:
     from one DataLoader worker to this process: made in shared memory in the worker,
     received and touched here; both processes' CPU time, after the first batch. CPU
     time, not wall time: other processes on a busy machine stretch the latter."""
-    from packio.doctor.measure import cpu_seconds
+    from packio.measure import cpu_seconds
 
     loader = DataLoader(_BatchStream((batch_size, size, size, 3), 10_000), batch_size=None, num_workers=1,
                         prefetch_factor=2)

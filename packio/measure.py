@@ -1,4 +1,4 @@
-"""Small timing helpers shared by the in-loop watch and the offline diagnosis."""
+"""Small timing helpers shared by packio.tune, the doctor (in-loop watch, offline diagnosis) and the benchmark."""
 
 from __future__ import annotations
 

@@ -1,0 +1,103 @@
+"""convert(src, dst): an image folder (+ CSV) or any packed dataset → any format.
+
+Inputs are read, checked and (optionally) resized in worker processes; the main
+process writes. The output is built under a temporary name beside ``dst`` and
+renamed into place only when complete. One job per module: ``plan`` (the request
+checked, the source opened, the job planned), ``prepare`` (one input → the sample to
+store), ``workers`` (local processes), ``write`` (one part and its manifest),
+``distributed`` (Dask parts), ``commit`` (lock, signals, atomic commit) and ``report``
+(the summary and the recorded history).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+from packio.errors import SourceError
+from packio.options import PackOptions, merge_options
+from packio.pack.commit import check_output, output_lock, staged, terminate_cleanly
+from packio.pack.distributed import write_parts
+from packio.pack.plan import Source, check_request, open_source, output_format, plan
+from packio.pack.prepare import Packed, Result, Skipped
+from packio.pack.report import Summary, summarize
+from packio.pack.write import Job, write_part
+
+__all__ = ["Summary", "convert", "Packed", "Skipped", "output_format"]
+
+
+def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = None,
+            csv: str | Path | None = None, columns: dict[str, str] | None = None, workers: int | str = "auto",
+            strict: bool = False, overwrite: bool = False, progress: bool | None = None, scheduler: Any = None,
+            parts: int | None = None, follow_symlinks: bool = False, **fields: Any) -> Summary:
+    """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
+
+    What the output holds comes from ``options`` (:class:`packio.PackOptions`) and
+    its fields given as keywords (``format``, ``resize``, ``encode``, ``quality``,
+    ``check``, ``max_pixels``, ``shards``, ``shard_samples``, ``shard_bytes``), a
+    keyword winning over ``options``; the other parameters say how to run.
+
+    The format comes from ``format`` or ``dst``'s suffix (``.lmdb`` ``.h5`` ``.wds``
+    ``.bmpdir`` ``.arrays``; see the README's naming conventions). Bad inputs are
+    skipped and counted in the returned Summary; ``strict=True`` turns any skip into a
+    ``SourceError``; a source with nothing to pack is a ``SourceError``. ``dst``
+    appears only when complete.
+
+    ``encode="keep"`` stores each image's bytes as found when the target can hold
+    them (re-encoding in the same encoding only when resized); ``"jpeg"`` (at
+    ``quality``), ``"png"`` or ``"bmp"`` re-encode every image that is not already
+    so. The manifest records what was done (``image.history``, ``image.encodings``).
+
+    Tar: ``shards`` (default: see ``plan_shards``) or ``shard_samples`` per shard;
+    a shard also ends at ``shard_bytes``.
+
+    ``workers``: ``"auto"`` (time the first inputs, then use processes only when they
+    pay off), or N local processes reading and checking inputs; one process writes.
+    ``scheduler``: a Dask scheduler address (``"tcp://host:8786"``), ``Client`` or
+    cluster: the listing is split into ``parts`` contiguous partitions, each packed
+    by one task into its own part; the parts are committed under one manifest once
+    all of them are complete (needs ``pip install 'packio[dask]'``).
+
+    ``check``: a JPEG that libjpeg decodes only with warnings (garbage entropy data, a
+    cut scan) is skipped and counted as "corrupt image data" wherever it is decoded
+    strictly. ``"auto"`` (default): images decoded anyway (to resize, re-encode or turn
+    upright) are decoded strictly, at no extra cost; images stored as found get the
+    header checks only. ``"decode"``: every image is decoded strictly, stored as found
+    or not (costs a decode per image). ``"header"``: headers and JPEG end markers only,
+    lenient decoding (a damaged image is re-encoded with made-up pixels).
+    ``max_pixels`` defaults to ``packio.limits.MAX_PIXELS``.
+
+    ``dst`` may not be, hold or lie inside ``src``; a lock beside it makes a second
+    conversion to the same path fail at once. ``overwrite`` replaces only a packio
+    dataset, atomically. Symlinks in ``src`` are followed only where they stay inside
+    it, unless ``follow_symlinks``; every skipped entry is counted. SIGTERM / SIGHUP
+    remove the temporary output as Ctrl-C does.
+    """
+    options = merge_options(PackOptions, options, fields, "convert")
+    t0 = time.perf_counter()
+    src, dst, spec, packed = check_request(src, dst, options, csv=csv, columns=columns, workers=workers, parts=parts,
+                                           overwrite=overwrite)
+    with terminate_cleanly(), output_lock(dst):
+        check_output(dst, overwrite)  # again, under the lock
+        source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
+        job, fn = plan(spec, options, source, strict)
+        with staged(dst, overwrite) as tmp:  # committed to dst when the block ends, removed if it fails
+            part = _write(job, fn, source, tmp, workers=workers, progress=progress, scheduler=scheduler, parts=parts)
+        return summarize(dst, spec.name, source.problems, part, t0)
+
+
+def _write(job: Job, fn: Callable[[Any], Result], source: Source, tmp: Path, *, workers: int | str,
+           progress: bool | None, scheduler: Any, parts: int | None) -> dict[str, Any]:
+    """The output written at ``tmp``: by this process (with local workers), or as Dask parts."""
+    skipped, notes = Counter(source.skipped), Counter(source.notes)
+    if scheduler is None:
+        part = write_part(job, fn, source.tasks, tmp, workers=workers, progress=progress, skipped=skipped, notes=notes)
+    else:
+        part = write_parts(job, fn, source.tasks, tmp, scheduler, parts, progress, skipped, notes)
+    if not part["count"]:
+        raise SourceError(f"{source.path}: none of its {len(source.tasks)} inputs could be packed ("
+                          + "; ".join(f"{n} {r}" for r, n in sorted(part["skipped"].items()))
+                          + "); nothing was written")
+    return part

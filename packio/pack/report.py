@@ -1,0 +1,115 @@
+"""What a conversion reports: the :class:`Summary` it returns (and its text), the
+history of steps the manifest records, and the lines telling how to open the output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packio import census
+from packio.formats import formats
+from packio.manifest import Manifest, disk_bytes
+
+__all__ = ["Summary", "describe_output", "describe_history", "history_of", "image_facts", "summarize"]
+
+
+@dataclass
+class Summary:
+    output: str
+    format: str
+    packed: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest | None = None
+
+    def text(self) -> str:
+        skipped = sum(self.skipped.values())
+        lines = [f"packed {self.packed} samples into {self.output} ({self.format}, "
+                 f"{self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s"]
+        if self.manifest is not None and "://" not in self.output:  # a URL: 'packio info URL' describes it
+            lines += describe_output(Path(self.output), self.manifest)
+        if self.manifest is not None:
+            lines += census.describe(self.manifest)
+        if self.info.get("workers"):
+            w = self.info["workers"]  # packing processes, not a DataLoader's workers: said apart
+            lines.append(f"packing:  {w if 'Dask' in w else '--workers ' + w}")
+        lines.append(f"skipped {skipped}" + (":" if skipped else ""))
+        lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
+        if self.info.get("duplicate_content"):
+            lines.append(f"note: {self.info['duplicate_content']} samples are byte-identical to another (kept)")
+        lines += [f"note: {n} x {what}" for what, n in sorted(self.info.get("notes", {}).items())]
+        return "\n".join(lines)
+
+
+def history_of(m: Manifest) -> list[dict[str, Any]]:
+    """The source dataset's recorded steps (datasets from before packio kept them get one summary step)."""
+    steps = m.image.get("history")
+    if isinstance(steps, list) and all(isinstance(x, dict) for x in steps):
+        return [dict(x) for x in steps[-31:]]
+    return [{"from": "unrecorded (packed before packio kept a history)", "to": m.format,
+             "resize": m.image.get("resize"), "payload": m.image.get("payload")}]
+
+
+def image_facts(image: dict[str, Any], done: Counter[str], stored: Counter[str], jpeg: bool) -> dict[str, Any]:
+    """The manifest's ``image`` entry once written: what this step did (``done``), the
+    encodings stored, and the JPEG quality when it encoded any JPEG."""
+    history = [*image["history"][:-1], {**image["history"][-1], "quality": image["quality"] if jpeg else None,
+                                        "result": dict(sorted(done.items()))}]
+    return {**image, "quality": image["quality"] if jpeg else None, "encodings": dict(sorted(stored.items())),
+            "history": history}
+
+
+def summarize(dst: Path, format: str, problems: list[str], part: dict[str, Any], t0: float) -> Summary:
+    """The Summary of a committed conversion: ``part`` is what writing it returned, ``problems``
+    what the listing found before, ``t0`` when it started (``time.perf_counter``)."""
+    return Summary(output=str(dst), format=format, packed=part["count"], skipped=Counter(part["skipped"]),
+                   problems=[*problems, *part["problems"]], bytes=disk_bytes(dst), seconds=time.perf_counter() - t0,
+                   info={"duplicate_content": part["duplicate_content"], "notes": dict(part["notes"]),
+                         "workers": part.get("workers")}, manifest=part["manifest"])
+
+
+def describe_output(path: Path, m: Manifest) -> list[str]:
+    """Lines telling how to open ``path`` with the neighbours' tools, and what its images are."""
+    spec = formats().get(m.format)
+    lines: list[str] = spec.reader.describe(path, m) if spec is not None else []
+    enc = m.image.get("encodings") or {}
+    if enc:
+        step = (m.image.get("history") or [{}])[-1]
+        lines.append(f"images:   {', '.join(f'{v} {k}' for k, v in enc.items())}: ".replace("raw", "uint8 pixels")
+                     + _step_text(step))
+    return lines
+
+
+def describe_history(m: Manifest) -> list[str]:
+    """The recorded steps from the first source to this dataset, one line each."""
+    steps = m.image.get("history") or []
+    return [f"{i}. {s.get('from', '?')} {s.get('source', '')} → {s.get('to', '?')}: {_step_text(s)}"
+            for i, s in enumerate(steps, 1) if isinstance(s, dict)]
+
+
+def _step_text(step: dict[str, Any]) -> str:
+    done = step.get("result") if isinstance(step.get("result"), dict) else {}
+    kept = [f"{v} {k.removesuffix(' kept')}" for k, v in done.items() if str(k).endswith(" kept")]
+    changed = [f"{v} {k}".replace("raw", "uint8 pixels") for k, v in done.items() if not str(k).endswith(" kept")]
+    parts = ([", ".join(kept) + " kept as found (not re-encoded)"] if kept else []) + (
+        [", ".join(changed)] if changed else [])
+    if not done:
+        parts.append(f"stored as {step.get('payload', '?')}")
+    r = step.get("resize")
+    if isinstance(r, dict):
+        geo = (f"short side {r['short_side']}" if r.get("short_side") else
+               "x".join(map(str, r["size"])) if r.get("size") else "")
+        crop = "center crop " + "x".join(map(str, r["crop"])) if r.get("crop") else ""
+        parts.append("resized to " + ", ".join(x for x in (geo, crop) if x))
+    if step.get("quality") and any(str(k).endswith("→jpeg") for k in done):
+        parts.append(f"JPEG quality {step['quality']}")
+    if any(str(k).startswith("raw→") for k in done) and step.get("encode") == "keep":
+        parts.append("decoded pixels stored lossless; --encode jpeg for smaller files")
+    return "; ".join(parts)
