@@ -342,7 +342,7 @@ def _clean_stale(dst: Path) -> None:
             _remove(p)
 
 
-def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = None,
+def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions | None = None,
             csv: str | Path | None = None, columns: dict[str, str] | None = None, workers: int | str = "auto",
             strict: bool = False, overwrite: bool = False, progress: bool | None = None, scheduler: Any = None,
             parts: int | None = None, follow_symlinks: bool = False, **fields: Any) -> Summary:
@@ -395,30 +395,33 @@ def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = N
     if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", str(dst)):
         raise PackioError(f"{dst}: a URL; convert to it with packio.convert (it packs locally, then uploads)")
     t0 = time.perf_counter()
-    src, dst = Path(src), Path(str(dst).rstrip("/"))
+    given = src if isinstance(src, Reader) else None  # opened already (a URL: packio.convert opens it)
+    src, dst = Path(str(src)), Path(str(dst).rstrip("/"))
     spec = output_format(dst, options.format)
     _check_numbers(workers=workers, parts=parts)
     encode = options.encode
     if encode not in ("keep", spec.payload) and spec.payload != "encoded":
         raise PackioError(f"the {spec.name} format stores {'BMP' if spec.payload == 'bmp' else 'decoded uint8 pixels'}"
                           f" only; drop --encode {encode} (or choose another output format)")
-    packed_src = src.is_file() or is_packed(src)
+    packed_src = given is not None or src.is_file() or is_packed(src)
     if packed_src and (csv or columns):
         raise SourceError(f"{src} is a packed dataset: its annotations are already stored, and a CSV "
                           f"(--csv / --csv-columns) applies only to an image folder; drop the CSV, or "
                           f"give the image folder it describes")
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
-    _check_paths(src, dst, csv)
+    if given is None:
+        _check_paths(src, dst, csv)
     _check_output(dst, overwrite)
     if not dst.parent.is_dir():
         raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
     with _terminate_cleanly(), _output_lock(dst):
         _check_output(dst, overwrite)  # again, under the lock
-        return _convert(src, dst, spec, options, packed_src, t0, overwrite=overwrite, **run)
+        return _convert(src if given is None else given, dst, spec, options, packed_src, t0, overwrite=overwrite,
+                        **run)
 
 
-def _convert(src: Path, dst: Path, spec: FormatSpec, options: PackOptions, packed_src: bool, t0: float, *,
+def _convert(src: Path | Reader, dst: Path, spec: FormatSpec, options: PackOptions, packed_src: bool, t0: float, *,
              csv: str | Path | None, columns: dict[str, str] | None, workers: int | str, strict: bool,
              overwrite: bool, progress: bool | None, scheduler: Any, parts: int | None,
              follow_symlinks: bool) -> Summary:
