@@ -22,7 +22,8 @@ import numpy as np
 from packio.errors import FormatError, PackioError
 
 __all__ = ["MAX_PIXELS", "MAX_JPEG_SIDE", "MAX_INPUT_BYTES", "MAX_PAYLOAD_BYTES", "MAX_RECORD_BYTES", "MAX_BOXES",
-           "MAX_MANIFEST_BYTES", "MAX_JSON_DEPTH", "MAX_CLASSES", "open_regular", "read_regular", "read_head",
+           "MAX_MANIFEST_BYTES", "MAX_JSON_DEPTH", "MAX_CLASSES", "MAX_SHARDS", "MAX_PATTERN_CHARS",
+           "open_regular", "read_regular", "read_head",
            "file_size", "check_span", "check_count", "json_depth", "loads_json", "load_npy", "MapGuard"]
 
 MAX_PIXELS = 178_956_970  # one image, decoded or resized (PIL's decompression-bomb error limit)
@@ -34,6 +35,8 @@ MAX_BOXES = 1 << 20  # boxes per sample (msgpack's array limit on reading)
 MAX_MANIFEST_BYTES = 256 << 20  # packio.json, or HDF5's manifest attribute
 MAX_JSON_DEPTH = 32  # nesting of any JSON packio parses
 MAX_CLASSES = 1 << 20  # class indices a label may take in foreign tar shards
+MAX_SHARDS = 100_000  # shards one brace pattern may name (counted before it is expanded)
+MAX_PATTERN_CHARS = 4096  # length of one brace pattern
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 Error = Callable[[str], PackioError]

@@ -26,12 +26,18 @@ def open_reader(path: Any, **remote: Any) -> Any:
     return open_local(path)
 
 
-def convert(src: str | Path, dst: str | Path, *args: Any, storage_options: dict[str, Any] | None = None,
+def convert(src: Any, dst: str | Path, *args: Any, storage_options: dict[str, Any] | None = None,
             tmp_dir: str | Path | None = None, **kwargs: Any) -> Any:
     """:func:`packio.pack.convert`; to a URL: packed into a local staging folder,
-    then uploaded (files first, the manifest last; see :mod:`packio.remote.upload`)."""
+    then uploaded (files first, the manifest last; see :mod:`packio.remote.upload`).
+    From a URL (a packed dataset, or foreign tar shards by a brace pattern): read
+    through the cache (default options; ``storage_options`` apply to both URLs)."""
     from packio.pack import convert as convert_local
 
+    if is_url(src):
+        from packio.remote import open_url
+
+        src = open_url(str(src), storage_options=storage_options)
     if not is_url(dst):
         return convert_local(src, dst, *args, **kwargs)
     from packio.remote.upload import convert_to_url

@@ -29,7 +29,7 @@ from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOpti
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
 
-__all__ = ["TarWriter", "TarReader", "FORMAT", "tar_pattern"]
+__all__ = ["TarWriter", "TarReader", "FORMAT", "expand_pattern", "gather", "scan_shard", "tar_pattern"]
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX = "index.npy"
@@ -149,7 +149,7 @@ def _label(tf: tarfile.TarFile, m: tarfile.TarInfo, shard: Path) -> int:
     return label
 
 
-def _scan(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[str], list[int]]:
+def scan_shard(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[str], list[int]]:
     """Index one shard: rows (shard, img off, img size, json off, json size), keys, labels."""
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     order: list[str] = []
@@ -183,7 +183,12 @@ def _scan(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[st
                     if strict:
                         raise FormatError(f"{shard}: sample {key!r} has no image member")
                     continue
+                if img.size > limits.MAX_PAYLOAD_BYTES:
+                    raise FormatError(f"{shard}: member {img.name!r} holds {img.size} bytes, over packio's limit "
+                                      f"of {limits.MAX_PAYLOAD_BYTES} for one image; refusing this shard")
                 js = g.get("json")
+                if js is not None and js.size > limits.MAX_RECORD_BYTES:
+                    js = None  # metadata too big to be packio's record (polygons, ...): ignored, as unfitting
                 label = _label(tf, g["cls"], shard) if "cls" in g else -1
                 rows.append((shard_no, img.offset_data, img.size,
                              js.offset_data if js else -1, js.size if js else 0))
@@ -207,10 +212,93 @@ def _check_rows(where: Path, index: np.ndarray) -> None:
                           f"packio's limits; re-pack the dataset")
 
 
-def _expand(pattern: str) -> list[str]:
-    from braceexpand import braceexpand
+_INT_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?")
+_CHAR_RANGE = re.compile(r"[A-Za-z]\.\.[A-Za-z](?:\.\.-?\d+)?")
 
-    return list(braceexpand(pattern))
+
+def _names_in(pattern: str, cap: int) -> int:
+    """How many names ``pattern`` expands to (braceexpand's grammar), at least ``cap + 1``
+    once over ``cap``; counted without expanding (braceexpand materialises each group)."""
+    total, depth, start = 1, 0, 0
+    for i, c in enumerate(pattern):
+        if c == "{":
+            start = i if depth == 0 else start
+            depth += 1
+        elif c == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                total *= _group_names(pattern[start + 1:i], cap)
+                if total > cap:
+                    return cap + 1
+    return total
+
+
+def _group_names(expr: str, cap: int) -> int:
+    m = _INT_RANGE.fullmatch(expr)
+    if m:
+        step = max(1, int(m[3] or 1))
+        return abs(int(m[2]) - int(m[1])) // step + 1 if len(expr) < 64 else cap + 1
+    if _CHAR_RANGE.fullmatch(expr):
+        return 52
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(expr):
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            items.append(expr[start:i])
+            start = i + 1
+    items.append(expr[start:])
+    return min(cap + 1, sum(_names_in(item, cap) for item in items))
+
+
+def _plain_rel(rel: str) -> bool:
+    """A relative path that stays below its folder: no '..', no absolute or hidden part."""
+    return bool(rel) and "\0" not in rel and "\\" not in rel and all(
+        p and not p.startswith(".") for p in rel.split("/"))
+
+
+def expand_pattern(pattern: str) -> tuple[str, list[str]]:
+    """A brace pattern (``shard-{000000..000099}.tar``) as its folder (everything before
+    the first brace, up to a ``/``) and the names it expands to below that folder: at
+    most ``limits.MAX_SHARDS`` of them (counted before expanding), each named once, none
+    outside the folder (``..``, absolute or hidden parts are refused)."""
+    if len(pattern) > limits.MAX_PATTERN_CHARS:
+        raise FormatError(f"{pattern[:80]}...: a shard pattern of {len(pattern)} characters, over packio's "
+                          f"limit of {limits.MAX_PATTERN_CHARS}")
+    n = _names_in(pattern, limits.MAX_SHARDS)
+    if n > limits.MAX_SHARDS:
+        raise FormatError(f"{pattern}: names more than {limits.MAX_SHARDS} shards (packio's limit for one "
+                          f"pattern); check the braces, or pack the shards in parts")
+    from braceexpand import UnbalancedBracesError, braceexpand
+
+    prefix = pattern.split("{", 1)[0].rpartition("/")[0]
+    prefix = prefix + "/" if prefix or pattern.startswith("/") else ""
+    try:
+        names = list(braceexpand(pattern))
+    except (UnbalancedBracesError, ValueError) as exc:
+        raise FormatError(f"{pattern}: not a brace pattern ({exc}); write e.g. shard-{{000000..000099}}.tar"
+                          ) from None
+    rels = [name[len(prefix):] for name in names]
+    bad = next((r for name, r in zip(names, rels) if not name.startswith(prefix) or not _plain_rel(r)), None)
+    if bad is not None:
+        raise FormatError(f"{pattern}: names {bad!r}, which is not a plain path below {prefix or './'}; "
+                          f"a pattern may name only files under the folder before its first brace")
+    if len(set(rels)) != len(rels):
+        raise FormatError(f"{pattern}: names a shard twice; every sample would be read twice")
+    return prefix, rels
+
+
+def gather(scans: list[tuple[np.ndarray, list[str], list[int]]]
+           ) -> tuple[np.ndarray, dict[int, tuple[str, int]], list[str]]:
+    """Foreign shards' scans (see ``scan_shard``) as one index, index -> (key, label), and the
+    class names (``"0"``.. the largest label)."""
+    rows, foreign = [], {}
+    for r, keys, labels in scans:
+        for k, lab in zip(keys, labels):
+            foreign[len(foreign)] = (k, lab)
+        rows.append(r)
+    index = np.concatenate(rows) if rows else np.zeros((0, 5), np.int64)
+    top = max((lab for _, lab in foreign.values()), default=-1)
+    return index, foreign, [str(c) for c in range(top + 1)]
 
 
 def tar_pattern(path: Path, m: Manifest) -> str | None:
@@ -335,21 +423,14 @@ class TarReader(Reader):
         if p.is_dir():
             shards = [inside(p, s.name) for s in sorted(p.glob("*.tar"))]
         elif "{" in path:
-            shards = [Path(s) for s in _expand(path)]
+            prefix, names = expand_pattern(path)
+            shards = [Path(prefix + name) for name in names]
         else:
             shards = [p]
         missing = [s for s in shards if not s.is_file()]
         if missing or not shards:
             raise FormatError(f"{path}: shard {missing[0] if missing else '(none)'} not found")
-        rows, foreign = [], {}
-        for n, shard in enumerate(shards):
-            r, keys, labels = _scan(shard, n, strict=False)
-            for k, lab in zip(keys, labels):
-                foreign[len(foreign)] = (k, lab)
-            rows.append(r)
-        index = np.concatenate(rows) if rows else np.zeros((0, 5), np.int64)
-        labels_seen = sorted({lab for _, lab in foreign.values() if lab >= 0})
-        classes = [str(c) for c in range(labels_seen[-1] + 1)] if labels_seen else []
+        index, foreign, classes = gather([scan_shard(shard, n, strict=False) for n, shard in enumerate(shards)])
         manifest = Manifest(format="tar", count=len(index), classes=classes,
                             source={"path": path, "foreign": True}, extra={"shards": [s.name for s in shards]})
         return cls(p if p.is_dir() else p.parent, manifest, shards=shards, index=index, foreign=foreign)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from packio.errors import SourceError
+from packio.formats.base import Reader
 from packio.options import PackOptions, merge_options
 from packio.pack.commit import check_output, output_lock, staged, terminate_cleanly
 from packio.pack.distributed import write_parts
@@ -28,7 +29,7 @@ from packio.pack.write import Job, write_part
 __all__ = ["Summary", "convert", "Packed", "Skipped", "output_format"]
 
 
-def convert(src: str | Path, dst: str | Path, *, options: PackOptions | None = None,
+def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions | None = None,
             csv: str | Path | None = None, columns: dict[str, str] | None = None, workers: int | str = "auto",
             strict: bool = False, overwrite: bool = False, progress: bool | None = None, scheduler: Any = None,
             parts: int | None = None, follow_symlinks: bool = False, **fields: Any) -> Summary:

@@ -53,39 +53,43 @@ class Source:
     notes: Counter[str] = field(default_factory=Counter)
 
 
-def check_request(src: str | Path, dst: str | Path, options: PackOptions, *, csv: str | Path | None,
+def check_request(src: str | Path | Reader, dst: str | Path, options: PackOptions, *, csv: str | Path | None,
                   columns: dict[str, str] | None, workers: int | str, parts: int | None,
-                  overwrite: bool) -> tuple[Path, Path, FormatSpec, bool]:
-    """``src`` and ``dst`` as paths, the output's format and whether ``src`` is a packed
-    dataset, once every check that needs no lock passed."""
+                  overwrite: bool) -> tuple[Path | Reader, Path, FormatSpec, bool]:
+    """``src`` (a path, or a reader opened already: a URL, opened by packio.convert) and
+    ``dst`` as a path, the output's format and whether ``src`` is a packed dataset, once
+    every check that needs no lock passed."""
     if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", str(dst)):
         raise PackioError(f"{dst}: a URL; convert to it with packio.convert (it packs locally, then uploads)")
-    src, dst = Path(src), Path(str(dst).rstrip("/"))
+    given = src if isinstance(src, Reader) else None
+    src, dst = Path(str(src)), Path(str(dst).rstrip("/"))
     spec = output_format(dst, options.format)
     _check_numbers(workers=workers, parts=parts)
     encode = options.encode
     if encode not in ("keep", spec.payload) and spec.payload != "encoded":
         raise PackioError(f"the {spec.name} format stores {'BMP' if spec.payload == 'bmp' else 'decoded uint8 pixels'}"
                           f" only; drop --encode {encode} (or choose another output format)")
-    packed_src = src.is_file() or is_packed(src)
+    packed_src = given is not None or src.is_file() or is_packed(src)
     if packed_src and (csv or columns):
         raise SourceError(f"{src} is a packed dataset: its annotations are already stored, and a CSV "
                           f"(--csv / --csv-columns) applies only to an image folder; drop the CSV, or "
                           f"give the image folder it describes")
     if not packed_src and not src.exists():
         raise SourceError(f"{src}: no such file or folder")
-    _check_paths(src, dst, csv)
+    if given is None:
+        _check_paths(src, dst, csv)
     check_output(dst, overwrite)
     if not dst.parent.is_dir():
         raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
-    return src, dst, spec, packed_src
+    return src if given is None else given, dst, spec, packed_src
 
 
-def open_source(src: Path, packed: bool, csv: str | Path | None, columns: dict[str, str] | None, *,
+def open_source(src: Path | Reader, packed: bool, csv: str | Path | None, columns: dict[str, str] | None, *,
                 strict: bool, follow_symlinks: bool) -> Source:
     """The inputs of ``src``: a packed dataset's samples, or an image folder's listing."""
     if packed:
-        reader = open_reader(src)
+        reader = src if isinstance(src, Reader) else open_reader(src)
+        src = Path(str(src))
         m = reader.manifest
         source = Source(src, f"{m.format} dataset", list(range(len(reader))), list(m.classes), m.box_classes,
                         {"path": str(src), "packed_format": m.format}, history_of(m), reader, _declared_shape(m))

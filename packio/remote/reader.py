@@ -35,7 +35,7 @@ from packio.remote.cache import Cache, FileInfo, Pin, open_cached
 from packio.remote.store import Retry, Store
 from packio.sample import Sample, checksum
 
-__all__ = ["RemoteTarReader", "open_url"]
+__all__ = ["RemoteTarReader", "open_url", "settings"]
 
 log = logging.getLogger("packio")
 SINGLE_FILE = (".h5", ".hdf5")
@@ -55,10 +55,7 @@ def open_url(url: str, *, cache_dir: str | Path | None = None, cache_limit: int 
     attempts per request on transient errors (exponential backoff), all of them within
     ``retry_seconds``; ``timeout``: seconds to connect, and that a read may stall.
     """
-    if cache_limit is None:
-        cache_limit = os.environ.get("PACKIO_CACHE_LIMIT") or None
-    retry = Retry(attempts=max(1, int(retries)), timeout=float(timeout), total=float(retry_seconds))
-    cache = Cache(cache_dir, cache_limit)
+    cache, retry = settings(cache_dir, cache_limit, retries, timeout, retry_seconds)
     url = url.rstrip("/")
     parent, _, name = url.rpartition("/")
     if Path(name).suffix.lower() in SINGLE_FILE:
@@ -74,6 +71,15 @@ def open_url(url: str, *, cache_dir: str | Path | None = None, cache_limit: int 
     from packio.formats import open_reader
 
     return open_reader(vdir)
+
+
+def settings(cache_dir: str | Path | None, cache_limit: int | str | None, retries: int, timeout: float,
+             retry_seconds: float) -> tuple[Cache, Retry]:
+    """The cache and the retry policy :func:`open_url`'s arguments ask for."""
+    if cache_limit is None:
+        cache_limit = os.environ.get("PACKIO_CACHE_LIMIT") or None
+    retry = Retry(attempts=max(1, int(retries)), timeout=float(timeout), total=float(retry_seconds))
+    return Cache(cache_dir, cache_limit), retry
 
 
 def version(text: bytes) -> str:

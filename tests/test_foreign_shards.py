@@ -1,0 +1,247 @@
+"""Tar shards other tools wrote (``webdataset.TarWriter``), no packio.json: a folder, a
+brace pattern, and a pattern URL on the tests' HTTP server (127.0.0.1) read as
+``webdataset.WebDataset`` reads them; DataLoader workers, resume, convert, strangers."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+import packio
+from conftest import photo, run_child_cases
+from packio.cli import main
+from packio.errors import FormatError, PackioError
+
+SHARDS, PER = 3, 5
+PATTERN = "shard-{000000..000002}.tar"
+
+
+def _png(h: int, w: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(photo(h, w, seed)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _write(folder: Path) -> list[str]:
+    """Three shards of five samples: PNG, .cls (missing on every fourth), .json (a
+    caption; boxes on some), .txt. Returns the keys in write order."""
+    folder.mkdir(parents=True)
+    keys = []
+    for s in range(SHARDS):
+        with wds.TarWriter(str(folder / f"shard-{s:06d}.tar")) as sink:
+            for j in range(PER):
+                i = s * PER + j
+                meta = {"caption": f"photo {i}", "source": "web"}
+                if i % 3 == 0:
+                    meta["boxes"] = [[1.0, 2.0, 6.0 + i % 4, 7.0]]
+                sample = {"__key__": f"img{i:03d}", "png": _png(9 + i % 4, 11 + i % 3, i), "json": meta,
+                          "txt": f"a caption {i}"}
+                if i % 4 != 3:
+                    sample["cls"] = i % 5
+                sink.write(sample)
+                keys.append(sample["__key__"])
+    return keys
+
+
+def _wds_view(pattern: str) -> dict[str, tuple[int, np.ndarray, list]]:
+    """What webdataset reads: key -> (label or -1, HWC uint8 pixels, the json's boxes)."""
+    out = {}
+    for s in wds.WebDataset(pattern, shardshuffle=False, empty_check=False).decode("rgb8"):
+        out[s["__key__"]] = (s.get("cls", -1), s["png"], s["json"].get("boxes", []))
+    return out
+
+
+def _packio_view(ds) -> dict[str, tuple[int, np.ndarray, list]]:
+    out = {}
+    for i in range(len(ds)):
+        it = ds[i]
+        out[it["key"]] = (it["label"], it["image"].permute(1, 2, 0).numpy(), it["boxes"].tolist())
+    return out
+
+
+def _same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want) and len(want) == SHARDS * PER
+    for key, (label, pixels, boxes) in want.items():
+        g = got[key]
+        assert g[0] == label, key
+        np.testing.assert_array_equal(g[1], pixels, err_msg=key)
+        assert g[2] == boxes, key
+    assert sum(v[0] == -1 for v in want.values()) == 3  # the missing labels are there to compare
+
+
+@pytest.fixture
+def served(http_server, tmp_path):
+    keys = _write(http_server.root / "foreign")
+    return http_server, f"{http_server.url}/foreign/{PATTERN}", keys, tmp_path / "cache"
+
+
+def test_local_foreign_shards_read_as_webdataset_reads_them(tmp_path):
+    keys = _write(tmp_path / "wds")
+    pattern = str(tmp_path / "wds" / PATTERN)
+    want = _wds_view(pattern)
+    for path in (tmp_path / "wds", pattern):
+        ds = packio.open_dataset(path)
+        _same(_packio_view(ds), want)
+        assert ds.classes == ["0", "1", "2", "3", "4"]
+        stream = packio.open_dataset(path, iterable=True, shuffle=True, seed=3, batch_size=4)
+        got = [x["key"] for x in stream]
+        assert sorted(got) == sorted(keys) and got != keys
+
+
+def test_foreign_shards_at_a_url_read_as_webdataset_reads_them(served):
+    server, url, keys, cache = served
+    want = _wds_view(url)  # webdataset fetches the same URLs (with curl)
+    _same(_wds_view(str(server.root / "foreign" / PATTERN)), want)
+    before = dict(server.counts)
+    ds = packio.open_dataset(url, cache_dir=cache)
+    _same(_packio_view(ds), want)
+    assert str(ds.reader) == url and ds.classes == ["0", "1", "2", "3", "4"]
+    gets = dict(server.counts)
+    assert {p: n - before.get(p, 0) for p, n in gets.items()} == {
+        f"/foreign/shard-{s:06d}.tar": 1 for s in range(SHARDS)}  # each shard fetched once, whole
+    again = packio.open_dataset(url, iterable=True, shuffle=True, seed=1, batch_size=4, cache_dir=cache)
+    assert sorted(x["key"] for x in again) == sorted(keys)
+    assert dict(server.counts) == gets  # a second open reads the cache
+    one = packio.open_dataset(f"{server.url}/foreign/shard-000001.tar", cache_dir=cache)
+    assert sorted(one[i]["key"] for i in range(len(one))) == keys[PER:2 * PER]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_count_every_key_once(served, context):
+    _, url, keys, cache = served
+    ds = packio.open_dataset(url, iterable=True, shuffle=True, seed=5, cache_dir=cache, cache_limit="1MB")
+    loader = packio.DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=context)
+    got = [k for b in loader for k in b["key"]]
+    assert sorted(got) == sorted(keys) and len(got) == len(set(got))
+
+
+def test_resume_mid_epoch_on_other_num_workers(served):
+    _, url, keys, cache = served
+
+    def loader(workers: int) -> packio.DataLoader:
+        ds = packio.open_dataset(url, iterable=True, shuffle=True, seed=7, cache_dir=cache)
+        kw = {"multiprocessing_context": "fork"} if workers else {}
+        return packio.DataLoader(ds, batch_size=2, num_workers=workers, **kw)
+
+    full = [k for b in loader(0) for k in b["key"]]
+    assert sorted(full) == sorted(keys)
+    first, stopped = [], loader(2)
+    for n, b in enumerate(stopped):
+        first += b["key"]
+        if n == 2:
+            break
+    state = json.loads(json.dumps(stopped.state_dict()))
+    for workers in (0, 3):
+        again = loader(workers)
+        again.load_state_dict(state)
+        assert first + [k for b in again for k in b["key"]] == full, workers
+
+
+def test_convert_a_pattern_url_then_verify(served, tmp_path):
+    server, url, _, cache = served
+    out = tmp_path / "out.lmdb"
+    assert main(["convert", url, str(out), "--quiet"]) == 0
+    assert packio.verify(out).ok
+    want = _wds_view(str(server.root / "foreign" / PATTERN))
+    _same(_packio_view(packio.open_dataset(out)), want)
+    local = packio.convert(str(server.root / "foreign" / PATTERN), tmp_path / "local.lmdb", progress=False)
+    assert local.packed == SHARDS * PER
+
+
+def test_patterns_name_nothing_outside_and_stay_bounded(served, tmp_path):
+    server, url, _, cache = served
+    base = server.url
+    local = str(server.root / "foreign")
+    for bad in (f"{local}/{{shard-000000,../../x}}.tar", f"{local}/{{shard-000000,shard-000000}}.tar",
+                f"{base}/foreign/{{shard-000000,../foreign/shard-000001}}.tar",
+                f"{base}/foreign/{{shard-000000,%2e%2e/x}}.tar", "http://127.0.0.{1,2}/foreign/shard-000000.tar",
+                base + "/foreign/shard-{0..3.tar", f"{base}/foreign/shard-000000.tar?sig=1"):
+        with pytest.raises(FormatError):
+            packio.open_dataset(bad, cache_dir=cache)
+    assert not server.counts  # refused before any request
+
+
+def test_a_pattern_naming_a_billion_shards_is_refused_at_once():
+    """Counted before it is expanded (braceexpand builds each group whole): in a child
+    under RLIMIT_AS and a timeout, so an expansion would fail the test, not the machine."""
+    code = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+import packio
+for name, path in (("local", "/nonexistent/shard-{000000000..999999999}.tar"),
+                   ("url", "http://127.0.0.1:9/d/shard-{000000000..999999999}.tar"),
+                   ("product", "/nonexistent/{0..999}/{0..999}/{0..999}.tar")):
+    print("START " + name, flush=True)
+    t = time.monotonic()
+    try:
+        packio.open_dataset(path)
+        got = "opened"
+    except Exception as exc:
+        got = f"{type(exc).__name__}: {exc}"
+    print("RESULT " + json.dumps({"name": name, "got": got, "s": time.monotonic() - t}), flush=True)
+"""
+    results, started, note = run_child_cases(code, [], timeout=120)
+    for name in ("local", "url", "product"):
+        assert name in results, f"{name}: no result (last started {started}; {note})"
+        assert results[name]["got"].startswith("FormatError") and "more than 100000 shards" in results[name]["got"]
+        assert results[name]["s"] < 2
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def test_strangers_at_a_url(http_server, tmp_path):
+    """A duplicate key, a shard that is no tar, a missing shard: packio errors naming the
+    URL (never the cache file, never a password)."""
+    root = http_server.root / "s"
+    root.mkdir()
+    png = _png(8, 8, 1)
+    _tar(root / "dup-0.tar", [("x.png", png), ("x.cls", b"1"), ("x.png", png)])
+    (root / "junk-0.tar").write_bytes(np.random.default_rng(0).bytes(3000))
+    _tar(root / "ok-0.tar", [("x.png", png)])
+    secret = http_server.url.replace("http://", "http://user:hunter2@")
+    cases = (("dup-{0..0}.tar", "duplicate key"), ("junk-{0..0}.tar", "not a readable tar"),
+             ("ok-{0..1}.tar", "not found"))
+    for name, why in cases:
+        with pytest.raises(PackioError, match=why) as err:
+            packio.open_dataset(f"{secret}/s/{name}", cache_dir=tmp_path / "cache", retries=1)
+        assert f"{http_server.url}/s/" in str(err.value) and "hunter2" not in str(err.value)
+        assert str(tmp_path / "cache") not in str(err.value)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if "hunter2" in str(p)]
+    shutil.rmtree(tmp_path / "cache")
+
+
+def test_oversize_members_of_a_strangers_shard(tmp_path):
+    """A .json over packio's record limit is ignored like any unfitting metadata (the
+    sample stays); an image member over packio's payload limit refuses the shard, by name."""
+    from packio import limits
+
+    root = tmp_path / "s"
+    root.mkdir()
+    png = _png(8, 8, 2)
+    _tar(root / "a.tar", [("x.png", png), ("x.cls", b"2"), ("x.json", b" " * (limits.MAX_RECORD_BYTES + 1)),
+                          ("y.png", png)])
+    ds = packio.open_dataset(root)
+    assert [(ds[i]["key"], ds[i]["label"]) for i in range(2)] == [("x", 2), ("y", -1)]
+    big = root.parent / "big"
+    big.mkdir()
+    info = tarfile.TarInfo("huge.png")
+    info.size = limits.MAX_PAYLOAD_BYTES + 1
+    with open(big / "b.tar", "wb") as f:  # the header, then a sparse body: no real gigabyte written
+        f.write(info.tobuf(tarfile.USTAR_FORMAT))
+        f.truncate(512 + info.size + 1024 + (-info.size % 512))
+    with pytest.raises(FormatError, match=r"huge\.png.*over packio's limit of 1073741824 for one image"):
+        packio.open_dataset(big)
