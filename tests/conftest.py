@@ -191,6 +191,15 @@ def http_server(tmp_path: Path):
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def torchrun_launches(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The session's torchrun launches, one per world size, shared by test_ddp and test_mix
+    (tests/launches.py)."""
+    from launches import run_all
+
+    return run_all(tmp_path_factory.mktemp("torchrun"))
+
+
 def sealed(m: dict) -> dict:
     """A hand-edited manifest dict with its digest made to match again (tests that
     reach the checks behind the digest check)."""
