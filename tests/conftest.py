@@ -44,6 +44,18 @@ def gen_folder(tmp_path: Path) -> tuple[Path, Path]:
     """Class folders (cats/dogs) with JPEGs of mixed sizes, a grayscale JPEG, a PNG,
     a name with a space, plus a CSV of boxes (CRLF line ends). The truth the
     generator used is in ``TRUTH[root]``: key → (folder label, boxes, box classes)."""
+    return make_gen_folder(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def gen_folder_once(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same folder as ``gen_folder``, made once per session: for tests that only read it
+    (and what is packed from it)."""
+    return make_gen_folder(tmp_path_factory.mktemp("gen"))
+
+
+def make_gen_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """``gen_folder``'s images and CSV, under ``tmp_path``."""
     import cv2
 
     root = tmp_path / "images"
@@ -177,6 +189,15 @@ def http_server(tmp_path: Path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def torchrun_launches(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The session's torchrun launches, one per world size, shared by test_ddp and test_mix
+    (tests/launches.py)."""
+    from launches import run_all
+
+    return run_all(tmp_path_factory.mktemp("torchrun"))
 
 
 def sealed(m: dict) -> dict:

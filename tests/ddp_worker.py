@@ -1,6 +1,7 @@
-"""Run by test_distributed under torchrun (gloo, CPU): runs the training
-loop (examples/resumable_training.py) once per scenario of a JSON plan, and writes
-the keys each rank trained on, per epoch and batch, to ``OUT/NAME.rankR.json``.
+"""Run under torchrun (gloo, CPU) by the session's shared launches (tests/launches.py):
+runs the training loop (examples/resumable_training.py) once per scenario of a JSON plan,
+and writes the keys each rank trained on, per epoch and batch, to ``OUT/NAME.rankR.json``.
+A scenario with ``"mix": true`` is one leg of test_mix's resumed run (tests/mix_worker.py).
 
 A scenario: ``{"name", "path", "iterable", "epochs", "batch_size", "checkpoint",
 "loader_args", "dataset_args", "stop": [epoch, batches] or null}``; ``stop`` ends
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from resumable_training import train  # noqa: E402
 
 import packio  # noqa: E402
+from mix_worker import leg  # noqa: E402
 
 
 class Interrupted(Exception):
@@ -80,7 +82,7 @@ def main() -> None:
         caught = str(exc)
     (out / f"early.rank{rank}.txt").write_text(caught)
     for sc in plan["scenarios"]:
-        run(sc, out, rank)
+        (leg if sc.get("mix") else run)(sc, out, rank)
         dist.barrier()
     if plan.get("state_check"):
         state_check(plan["state_check"], out, rank)

@@ -1,18 +1,18 @@
-"""Run by test_mix under torchrun (gloo, CPU): one leg of a resumed mixed run. Trains on
-``packio.mix`` with the loop of examples/resumable_training.py (checkpoint = the loader's
-state, saved by rank 0 after every step) and writes the (source, key) pairs each rank
-took, per epoch, to ``OUT/NAME.rankR.json``.
+"""One leg of a resumed mixed run, run by tests/ddp_worker.py inside the session's shared
+torchrun launch (gloo, CPU) for test_mix. Trains on ``packio.mix`` with the loop of
+examples/resumable_training.py (checkpoint = the loader's state, saved by rank 0 after
+every step) and writes the (source, key) pairs each rank took, per epoch, to
+``OUT/NAME.rankR.json``.
 
-The plan: ``{"name", "sources", "weights", "epoch_samples", "seed", "batch_size", "epochs",
-"num_workers", "checkpoint", "stop": [epoch, batch] or null}``; ``stop`` ends the leg (as a
-crash would) before that batch of that epoch.
+The leg: ``{"mix": true, "name", "sources", "weights", "epoch_samples", "seed", "batch_size",
+"epochs", "num_workers", "checkpoint", "stop": [epoch, batch] or null}``; ``stop`` ends the
+leg (as a crash would) before that batch of that epoch.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -20,10 +20,7 @@ import torch.distributed as dist
 import packio
 
 
-def main() -> None:
-    plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def leg(plan: dict, out: Path, rank: int) -> None:
     ds = packio.mix(plan["sources"], plan["weights"], epoch_samples=plan["epoch_samples"], seed=plan["seed"],
                     decode=False)
     workers = plan["num_workers"]
@@ -49,9 +46,3 @@ def main() -> None:
             continue
         break
     (out / f"{plan['name']}.rank{rank}.json").write_text(json.dumps(got))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -34,13 +34,31 @@ def pack(src: Path, csv: Path | None, out: Path, fmt: str, **kw):
                           progress=False, **kw)
 
 
+@pytest.fixture(scope="module")
+def packed_once(gen_folder_once, tmp_path_factory):
+    """Packs ``gen_folder_once`` into a format on first use, once per module: ``{fmt: summary}``.
+    The contract tests only read what is packed."""
+    made = {}
+
+    def get(fmt: str):
+        if fmt not in made:
+            made[fmt] = pack(*gen_folder_once, tmp_path_factory.mktemp(f"packed-{fmt}"), fmt)
+        return made[fmt]
+
+    return get
+
+
+def _registered(request, fmt: str) -> None:
+    if fmt in PLUGINS:
+        register(PLUGINS[fmt])
+        request.addfinalizer(lambda: unregister(fmt))
+
+
 @pytest.fixture(params=FORMATS)
-def packed(request, gen_folder, tmp_path):
-    if request.param in PLUGINS:
-        register(PLUGINS[request.param])
-        request.addfinalizer(lambda: unregister(request.param))
-    src, csv = gen_folder
-    summary = pack(src, csv, tmp_path, request.param)
+def packed(request, gen_folder_once, packed_once):
+    _registered(request, request.param)
+    src, csv = gen_folder_once
+    summary = packed_once(request.param)
     return request.param, Path(summary.output), src, csv, summary
 
 
@@ -150,12 +168,59 @@ def test_resume_mid_epoch(packed, workers_after):
     assert taken + rest == full
 
 
-def test_map_style_spawn_workers(packed):
+class _OneOfEach(torch.utils.data.Dataset):
+    """Several datasets behind one index, for one loader: every batch comes from one of
+    them (see ``_batches``) and is read by that dataset's own ``__getitems__``, as a
+    loader over that dataset alone would."""
+
+    def __init__(self, datasets: list) -> None:
+        self.datasets = datasets
+        self.starts = np.cumsum([0] + [len(d) for d in datasets]).tolist()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitems__(self, indices: list[int]):
+        which = int(np.searchsorted(self.starts, indices[0], side="right")) - 1
+        return self.datasets[which].__getitems__([i - self.starts[which] for i in indices])
+
+
+def _batches(starts: list[int], size: int) -> list[list[int]]:
+    """Batches of ``size`` over each dataset's range in turn: the batches a sequential
+    loader of that size makes over each dataset alone."""
+    return [list(range(i, min(i + size, end))) for start, end in zip(starts, starts[1:])
+            for i in range(start, end, size)]
+
+
+def test_map_style_spawn_workers_every_format(request, packed_once):
+    """Every format's map-style dataset, read once in the parent, crosses to spawn workers
+    (pickled, nothing inherited): each sample exactly once, resized, with its label. One
+    spawn loader for all formats (two spawn workers cost seconds each); the fork side is
+    test_map_style_workers_keep_labels."""
+    datasets, want = [], []
+    for fmt in FORMATS:
+        _registered(request, fmt)
+        ds = packio.open_dataset(packed_once(fmt).output, resize=32)
+        ds[0]  # handles opened in the parent must not leak into workers
+        datasets.append(ds)
+        want.append({ds.sample(i).key: ds.sample(i).label for i in range(len(ds))})
+    both = _OneOfEach(datasets)
+    batches = _batches(both.starts, 4)
+    dl = packio.DataLoader(both, batch_sampler=batches, num_workers=2, multiprocessing_context="spawn")
+    seen: list[list[int]] = [[] for _ in FORMATS]
+    for b, asked in zip(dl, batches, strict=True):  # in order: the k-th batch is from asked's dataset
+        which = int(np.searchsorted(both.starts, asked[0], side="right")) - 1
+        seen[which] += b["index"].tolist()
+        assert b["image"].shape[1:] == (3, 32, 32)
+        assert all(want[which][k] == int(lab) for k, lab in zip(b["key"], b["label"]))
+    for fmt, idx, ds in zip(FORMATS, seen, datasets):
+        assert sorted(idx) == list(range(len(ds))), fmt
+
+
+def test_map_style_workers_keep_labels(packed):
     fmt, path, *_ = packed
     ds = packio.open_dataset(path, resize=32)
-    ds[0]  # handles opened in the parent must not leak into workers
-    idx = _loader_indices(ds, workers=2, ctx="spawn")
-    assert sorted(idx) == list(range(len(ds)))
+    ds[0]
     want = {ds.sample(i).key: ds.sample(i).label for i in range(len(ds))}
     dl = packio.DataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context="fork",
                            persistent_workers=True)

@@ -2,17 +2,16 @@
 (examples/resumable_training.py via tests/ddp_worker.py) and the keys each rank
 trained on are counted here.
 
-Launched three times in all: two ranks (the start-method / worker matrix, and the
-first leg of each resume), then three ranks and one rank (the resumed legs).
+The session launches torchrun three times in all (tests/launches.py, shared with
+test_mix.py): two ranks (the start-method / worker matrix, and the first leg of each
+resume), then three ranks and one rank (the resumed legs).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-import os
 import random
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -25,18 +24,6 @@ from conftest import ROOT, jpeg
 N = 201  # samples: odd, so two ranks need one sample of padding
 BATCH = 8
 CONTEXTS = ("fork", "spawn", "forkserver")
-
-
-def _torchrun(nproc: int, plan: dict, work: Path, tag: str) -> Path:
-    out = work / f"out-{tag}"
-    out.mkdir()
-    (work / f"plan-{tag}.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "ddp_worker.py"), str(work / f"plan-{tag}.json"), str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return out
 
 
 def _runs(out: Path, name: str, world: int) -> list[dict[str, list[list[str]]]]:
@@ -83,10 +70,9 @@ def _corrupt_lmdb_record(path: Path, i: int) -> str:
     return key
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    """Packs the data, then runs the two-rank launch: the matrix and the first leg of every resume."""
-    work = tmp_path_factory.mktemp("ddp")
+def plans(work: Path) -> dict:
+    """Packs the data under ``work`` and plans this module's scenarios for the session's
+    launches (tests/launches.py): ``plans[world]``, the matrix and the legs of every resume."""
     src = work / "src"
     for c in range(3):
         (src / f"c{c}").mkdir(parents=True)
@@ -104,7 +90,12 @@ def ddp(tmp_path_factory):
         args = {"num_workers": workers}
         if workers:
             args.update(multiprocessing_context=ctx, persistent_workers=persistent)
-        scenarios.append({"name": f"m-{kind}-{workers}-{ctx}-{persistent}", "path": str(tar), "epochs": 2,
+        # Spawn without persistent workers: epoch 0 only. Its epoch 1 would start fresh workers
+        # from a pickled dataset, as forkserver's epoch 1 does (the same packio code: the
+        # dataset's __getstate__, and for map-style the sampler stays in the parent), for
+        # four more interpreters importing torch (a third of the launch).
+        epochs = 1 if (ctx, persistent) == ("spawn", False) else 2
+        scenarios.append({"name": f"m-{kind}-{workers}-{ctx}-{persistent}", "path": str(tar), "epochs": epochs,
                           "iterable": kind == "iterable", "batch_size": BATCH, "loader_args": args,
                           "checkpoint": str(work / f"ck-m-{kind}-{workers}-{ctx}-{persistent}.json"),
                           "dataset_args": {"decode": False}})
@@ -126,21 +117,27 @@ def ddp(tmp_path_factory):
                 legs[name] = [{**common, "name": f"{name}-{leg}", "world": world, "stop": stop,
                                "loader_args": workers[leg if chain == "a" else 2 * leg]}
                               for leg, (world, stop) in enumerate(zip(worlds, stops))]
-    plan = {"scenarios": scenarios + [legs[n][0] for n in legs], "state_check": str(tar)}
-    out = _torchrun(2, plan, work, "2")
-    return {"work": work, "out": out, "tar": tar, "bad": bad, "corrupt": corrupt, "keys": keys,
-            "matrix": scenarios, "legs": legs}
+    by_world = {w: [leg for chain in legs.values() for leg in chain if leg["world"] == w] for w in (2, 3, 1)}
+    return {"tar": tar, "bad": bad, "corrupt": corrupt, "keys": keys, "matrix": scenarios, "legs": legs,
+            "plans": {**by_world, 2: scenarios + by_world[2]}, "state_check": str(tar)}
+
+
+@pytest.fixture(scope="module")
+def ddp(torchrun_launches):
+    """This module's data and plans, and the session's launch folders by world size."""
+    return {**torchrun_launches["ddp"], "outs": torchrun_launches["outs"], "out": torchrun_launches["outs"][2]}
 
 
 def test_torchrun_matrix_every_sample_once_per_epoch(ddp):
     """2 ranks × {0, 2 workers} × {fork, spawn, forkserver} × {persistent or not} × {map-style +
-    ResumableSampler, iterable}: per epoch the ranks together read the dataset once, plus the one
-    documented padding sample; the global order is the same whatever the workers, and set_epoch
-    changes it (persistent workers included)."""
+    ResumableSampler, iterable}, two epochs (one for spawn without persistent workers): per epoch
+    the ranks together read the dataset once, plus the one documented padding sample; the global
+    order is the same whatever the workers, and set_epoch changes it (persistent workers included)."""
     orders: dict[tuple[str, int], list[str]] = {}
     for sc in ddp["matrix"]:
         ranks = _runs(ddp["out"], sc["name"], 2)
-        for epoch in (0, 1):
+        assert all(sorted(r) == [str(e) for e in range(sc["epochs"])] for r in ranks), sc["name"]
+        for epoch in range(sc["epochs"]):
             seq = _interleave([r[str(epoch)] for r in ranks])
             _check_padding(seq, N, 2)
             assert sorted(seq[:N]) == ddp["keys"], sc["name"]
@@ -167,13 +164,7 @@ def test_torchrun_elastic_resume(ddp):
     torchrun with another world size (2→3→1, 2→1) and other num_workers: per epoch, the legs
     together train on every sample exactly once (plus the last leg's padding). With a corrupt
     sample and on_error="skip", every other sample exactly once."""
-    legs, work = ddp["legs"], ddp["work"]
-    outs = {2: ddp["out"]}
-    for world, leg in ((3, 1), (1, 2)):
-        todo = [chain[leg] for chain in legs.values() if len(chain) > leg and chain[leg]["world"] == world]
-        if world == 1:
-            todo += [chain[1] for chain in legs.values() if chain[1]["world"] == 1]
-        outs[world] = _torchrun(world, {"scenarios": todo}, work, str(world))
+    legs, outs = ddp["legs"], ddp["outs"]
     for name, chain in legs.items():
         skip = "skip" in name
         want = [k for k in ddp["keys"] if not (skip and k == ddp["corrupt"])]

@@ -237,28 +237,29 @@ def _interleave(ranks: list[list[list]]) -> list[tuple[int, str]]:
     return [f[j] for j in range(len(flat[0])) for f in flat]
 
 
-def test_torchrun_resume_2_3_1_ranks_other_workers(paths, tmp_path):
+MIX_LEGS = ((2, 2, [0, 3]), (3, 0, [1, 2]), (1, 1, None))  # (ranks, num_workers, stop) of each leg
+
+
+def plans(work: Path) -> dict:
+    """This module's legs for the session's torchrun launches (tests/launches.py), over its
+    own copy of the sources: ``plans[world]``."""
+    work.mkdir(parents=True)
+    paths = [pack(work, *spec) for spec in SOURCES]
+    common = {"mix": True, "sources": paths, "weights": WEIGHTS, "epoch_samples": 60, "seed": 7, "batch_size": 4,
+              "epochs": 2, "checkpoint": str(work / "ck.json")}
+    return {"paths": paths, "plans": {world: [{**common, "name": f"mix-w{world}", "num_workers": workers, "stop": stop}]
+                                      for world, workers, stop in MIX_LEGS}}
+
+
+def test_torchrun_resume_2_3_1_ranks_other_workers(torchrun_launches):
     """Real processes: torchrun on 2 ranks stops mid epoch 0, on 3 ranks (other num_workers)
     stops mid epoch 1, on 1 rank finishes; together they are the uninterrupted sequence."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT
-
-    common = {"sources": paths, "weights": WEIGHTS, "epoch_samples": 60, "seed": 7, "batch_size": 4, "epochs": 2,
-              "checkpoint": str(tmp_path / "ck.json")}
+    paths, outs = torchrun_launches["mix"]["paths"], torchrun_launches["outs"]
     seqs: dict[str, list] = {"0": [], "1": []}
-    for world, workers, stop in ((2, 2, [0, 3]), (3, 0, [1, 2]), (1, 1, None)):
-        plan = tmp_path / f"plan-{world}.json"
-        plan.write_text(json.dumps({**common, "name": f"w{world}", "num_workers": workers, "stop": stop}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               str(ROOT / "tests" / "mix_worker.py"), str(plan), str(tmp_path)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-        ranks = [json.loads((tmp_path / f"w{world}.rank{k}.json").read_text()) for k in range(world)]
+    for world, _, _ in MIX_LEGS:
+        ranks = [json.loads((outs[world] / f"mix-w{world}.rank{k}.json").read_text()) for k in range(world)]
         for e in seqs:
             if any(e in rk for rk in ranks):
                 seqs[e] += _interleave([rk.get(e, []) for rk in ranks])

@@ -339,7 +339,7 @@ def test_fork_workers_leave_the_parent_and_each_other_clean(gen_folder, tmp_path
 
 
 _LOADER_CHILD = r"""
-import gc, json, resource, sys, time, urllib.request
+import gc, json, multiprocessing, resource, sys, time, urllib.request
 limit_as, limit_fsize = int(sys.argv[3]), int(sys.argv[4])
 resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit_fsize, limit_fsize))
@@ -348,10 +348,23 @@ from packio.errors import PackioError
 
 server, cache = sys.argv[1], sys.argv[2]
 fast = dict(retries=3, timeout=0.5, retry_seconds=2.0, decode=False)
+
+
+def stop_last_workers():
+    # The last failed loader's workers are still running: left so, they keep hammering this
+    # one-process test server and starve the next open's 0.5 s reads. torch stops them when the
+    # iterator (held by its traceback) is collected, but first waits 5 s for each to exit (its
+    # worker-status interval; a worker whose stream raised does not exit by itself), then
+    # terminates it: terminated here at once, then collected.
+    for worker in multiprocessing.active_children():
+        worker.terminate()
+        worker.join()
+    gc.collect()
+
+
 for mode in sys.argv[5].split(","):
     for iterable in (True, False) if mode != "stall" else (True,):  # map-style stalls: test_stalled_body...
-        gc.collect()  # the last failed loader's iterator (held by its traceback) stops its workers; left
-        # running, they keep hammering this one-process test server and starve the next open's 0.5 s reads
+        stop_last_workers()
         urllib.request.urlopen(f"{server}/__mode/{mode}", timeout=5).read()
         ds = packio.open_dataset(f"{server}/ds.wds", iterable=iterable, cache_dir=f"{cache}/{mode}{iterable}",
                                  **fast)
@@ -366,6 +379,7 @@ for mode in sys.argv[5].split(","):
             out = type(exc).__name__ if isinstance(exc, PackioError) else (named[0] if named else repr(exc)[:300])
         print(json.dumps([mode, iterable, round(time.monotonic() - t0, 1), len(keys), len(set(keys)), out]),
               flush=True)
+stop_last_workers()
 """
 
 # what each misbehaviour must end in: a packio error class, or every sample once

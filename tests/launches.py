@@ -1,0 +1,44 @@
+"""The session's torchrun launches, shared by every test that needs real DDP ranks: one
+launch per world size (2 ranks, then 3, then 1), each running the scenarios that
+test_ddp.py and test_mix.py hand it (``plans(work)`` in each), in order. A launch costs a
+torchrun agent plus one interpreter importing torch per rank, so the tests ride together."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLDS = (2, 3, 1)  # the resumed legs run in this order: a checkpoint written on 2 ranks, read on 3, then 1
+
+
+def torchrun(nproc: int, plan: dict, work: Path, tag: str) -> Path:
+    """Runs tests/ddp_worker.py on ``nproc`` ranks over ``plan``; returns the folder of its outputs."""
+    out = work / f"out-{tag}"
+    out.mkdir()
+    (work / f"plan-{tag}.json").write_text(json.dumps(plan))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "tests" / "ddp_worker.py"), str(work / f"plan-{tag}.json"), str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=500,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return out
+
+
+def run_all(work: Path) -> dict:
+    """Builds each module's data and plans, then launches once per world size:
+    ``{"ddp": ..., "mix": ..., "outs": {world: folder}}`` (each module's own return of ``plans``)."""
+    from test_ddp import plans as ddp_plans
+    from test_mix import plans as mix_plans
+
+    ddp, mix = ddp_plans(work / "ddp"), mix_plans(work / "mix")
+    outs = {}
+    for world in WORLDS:
+        plan = {"scenarios": ddp["plans"][world] + mix["plans"][world]}
+        if world == 2:
+            plan["state_check"] = ddp["state_check"]
+        outs[world] = torchrun(world, plan, work, str(world))
+    return {"ddp": ddp, "mix": mix, "outs": outs}
