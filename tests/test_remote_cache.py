@@ -131,3 +131,22 @@ def test_killed_mid_eviction_leaves_a_usable_cache(two_sets, tmp_path):
     assert sorted(ds.reader.read(i).key for i in range(len(ds))) == want
     assert Cache(cache).usage() <= limit
     assert not list(cache.rglob("*.part-*"))
+
+
+def test_the_index_is_rewritten_from_the_files_when_it_outgrows_them(tmp_path):
+    """The journal grows by a line per download and eviction; past four lines per entry
+    it is rewritten from a walk, which also drops what it lists but the disk lacks."""
+    root = tmp_path / "c"
+    held = _junk(root, 20)
+    cache = Cache(root, limit=10**9)
+    cache.evict()  # the first eviction check builds the index from a walk
+    index = cache.index
+    assert index.total == held and len(index.entries) == 20
+    for k in range(3000):  # one entry noted again and again (never written: a killed download)
+        index.add("https/x/ds.wds/0123/shard-000000.tar", k, False)
+    journal = (root / ".packio-index").read_bytes()
+    assert journal.count(b"\n[") < 1200  # rewritten along the way, not 3,020 lines
+    assert len(index.entries) == 21 and index.total == held + 2999  # the entry once, at its last size
+    fresh = Cache(root, limit=10**9)
+    fresh.evict()
+    assert fresh.index.total == index.total  # another process reads the same

@@ -257,7 +257,7 @@ class Cache:
     @property
     def index(self) -> "Index":
         if self._index is None:
-            self._index = Index(self.root, self.lock_timeout)
+            self._index = Index(self.root, self.lock_timeout, self._walk_entries)
         return self._index
 
     def __getstate__(self) -> dict:
@@ -303,7 +303,7 @@ class Cache:
         if self.limit is None:
             return
         index, target = self.index, max(0, self.limit - reserve)
-        index.ensure(self._walk_entries)
+        index.ensure()
         if index.total <= target:
             return
         with index.exclusive():
@@ -381,9 +381,9 @@ class Index:
     NAME = ".packio-index"
     LINE = 1 << 16  # a longer "line" is not one of ours: skipped
 
-    def __init__(self, root: Path, lock_timeout: float) -> None:
+    def __init__(self, root: Path, lock_timeout: float, walk: Callable[[], dict[str, tuple[int, bool]]]) -> None:
         self.path, self.lockpath = root / self.NAME, root / f"{self.NAME}.lock"
-        self.lock_timeout = lock_timeout
+        self.lock_timeout, self.walk = lock_timeout, walk  # walk(): every entry, from the file system
         self.entries: dict[str, tuple[int, bool]] = {}
         self.total, self.lines = 0, 0
         self._seen: tuple[int, int] | None = None  # (device, inode) of the journal read so far
@@ -441,15 +441,18 @@ class Index:
         finally:
             os.close(fd)
 
-    def ensure(self, walk: Callable[[], dict[str, tuple[int, bool]]]) -> None:
-        """Read the journal; build it from ``walk()`` when there is none, rebuild it when
-        it has grown far past its entries."""
-        if self.refresh() and self.lines <= 4 * len(self.entries) + 1024:
+    def _fresh(self) -> bool:
+        return self.refresh() and self.lines <= 4 * len(self.entries) + 1024
+
+    def ensure(self) -> None:
+        """Read the journal; build it from a walk when there is none, rebuild it when it
+        has grown far past its entries."""
+        if self._fresh():
             return
         with self.exclusive():
-            if self.refresh() and self.lines <= 4 * len(self.entries) + 1024:
+            if self._fresh():
                 return  # another process did it meanwhile
-            entries = walk()
+            entries = self.walk()
             tmp = self.path.with_name(f"{self.NAME}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
                 tmp.write_bytes(b"".join(_record("+", rel, size, whole) for rel, (size, whole) in entries.items()))
@@ -493,7 +496,8 @@ class Index:
         finally:
             if fd is not None:
                 _unlock(fd)
-        self.refresh()
+        if not self._fresh() and self._held is None:
+            self.ensure()  # grown past its entries: rewritten (also where no eviction ever runs)
 
 
 def _record(kind: str, rel: str, *rest: object) -> bytes:
