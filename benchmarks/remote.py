@@ -3,6 +3,7 @@
     python benchmarks/remote.py                 # 1,000 generated JPEGs, W1, 2 rounds
     python benchmarks/remote.py --n 10000 --rounds 3
     python benchmarks/remote.py --clients-only  # s3fs vs obstore on the local S3 server
+    python benchmarks/remote.py --checksum      # the per-sample checksum's cost on remote reads
 
 Self-contained: generates photo-like JPEGs (packio.bench.synth), packs them into tar
 shards on local disk, uploads them to a SeaweedFS S3 server it starts on 127.0.0.1
@@ -15,6 +16,12 @@ stricter baseline: the remote runs write and read their cache too). ``first batc
 is the time from creating the loader's iterator to the first batch; ``after first``
 is samples/s from the first batch to the end (the target: >= 0.9 x local once the
 first shard is in).
+
+``--checksum``: raw reads/s (no decode) of random batches of 64 through the remote
+tar reader, with its per-sample checksum (on by default in packio) and with it
+switched off for the measurement, from S3 and HTTP: ``ranges`` (map-style, nothing
+cached: one range request per sample) and ``cached`` (the shards in the cache);
+with / without is the share of the read rate the check keeps.
 """
 
 from __future__ import annotations
@@ -53,6 +60,51 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     t_end = time.perf_counter()
     return {"samples": n, "first_batch_s": t_first - t0, "rate": n / (t_end - t0),
             "rate_after_first": (n - n_first) / (t_end - t_first)}
+
+
+def check_child(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Reads/s of random batches through the remote tar reader, its per-sample checksum
+    on or off (off only here: packio has no switch for it)."""
+    import numpy as np
+
+    import packio
+    from packio.formats.tar import TarReader
+    from packio.remote.reader import RemoteTarReader
+
+    if not cfg["check"]:
+        RemoteTarReader._checked = lambda self, i: TarReader.read(self, i)  # type: ignore[method-assign]
+    reader = packio.open_reader(cfg["path"], cache_dir=cfg["cache"])
+    if cfg["mode"] == "cached":
+        reader.fetch_all()  # untimed: every shard in the cache
+    idx = np.random.default_rng(0).permutation(len(reader))[:cfg["reads"]].tolist()
+    t = time.perf_counter()
+    n = sum(len(reader.read_many(idx[k:k + BATCH])) for k in range(0, len(idx), BATCH))
+    return {"reads": n, "rate": n / (time.perf_counter() - t)}
+
+
+def _checksum(sources: dict[str, str], a: Any, work: Path, env: dict[str, str]) -> None:
+    """Every (source, mode, check) case each round in a fresh process, the order reversed
+    every other round; ``ranges`` starts from an empty cache, ``cached`` from a full one."""
+    cases = [(label, mode, check) for label in sources for mode in ("ranges", "cached") for check in (True, False)]
+    got: dict[tuple, list[float]] = {c: [] for c in cases}
+    for r in range(a.rounds):
+        for label, mode, check in cases if r % 2 == 0 else cases[::-1]:
+            cache = work / (f"check-cache-{label}" if mode == "cached" else "check-cache-empty")
+            if mode == "ranges":
+                shutil.rmtree(cache, ignore_errors=True)
+            cfg = {"kind": "checksum", "path": sources[label], "cache": str(cache), "mode": mode, "check": check,
+                   "reads": a.reads}
+            res = fresh(__file__, cfg, env, timeout=900)
+            got[(label, mode, check)].append(res.get("rate", float("nan")))
+            print(f"round {r + 1}/{a.rounds}: {label} {mode} check={check}: {res}", flush=True)
+    rows = []
+    for label in sources:
+        for mode in ("ranges", "cached"):
+            on, off = median(got[(label, mode, True)]), median(got[(label, mode, False)])
+            rows.append((label, mode, f"{on:.0f}", f"{off:.0f}", f"{on / off:.3f}", f"{(1 / on - 1 / off) * 1e6:.1f}"))
+    table(("source", "reads", "reads/s with check", "reads/s without", "with / without", "check µs/sample"), rows,
+          f"per-sample checksum on remote reads: {a.reads} random reads in batches of {BATCH}, no decode, {a.n} "
+          f"images; median of {a.rounds} rounds")
 
 
 def clients(server: Any, work: Path, mb: int = 64) -> list[str]:
@@ -210,10 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="working folder (default: a temporary one, removed after)")
     p.add_argument("--clients-only", action="store_true", help="only compare the S3 clients")
     p.add_argument("--no-clients", action="store_true", help="skip the S3 client comparison")
+    p.add_argument("--checksum", action="store_true", help="only the per-sample checksum's cost on remote reads")
+    p.add_argument("--reads", type=int, default=2000, help="reads per --checksum case (default 2000)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(child(json.loads(a.child))))
+        cfg = json.loads(a.child)
+        print(json.dumps(check_child(cfg) if cfg.get("kind") == "checksum" else child(cfg)))
         return 0
     sys.path.insert(0, str(ROOT / "tests"))  # the test servers live with the tests
     from servers import SeaweedS3
@@ -226,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         os.environ.update(server.env())
         print(f"SeaweedFS S3 on {server.endpoint} (up in {time.perf_counter() - t:.1f} s)", flush=True)
-        if not a.no_clients:
+        if not a.no_clients and not a.checksum:
             print("\n".join(clients(server, work)), flush=True)
         if a.clients_only:
             return 0
@@ -235,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
         url = http.stdout.readline().strip()
         sources = {"local disk": str(local), "S3 (SeaweedFS)": "s3://bench/ds.wds", "HTTP": f"{url}/ds.wds"}
+        if a.checksum:
+            _checksum({k: v for k, v in sources.items() if "://" in v}, a, work, server.env())
+            return 0
         _report(_measure(sources, a.rounds, work, server.env()), a, local, size)
         return 0
     finally:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio.collation import Batch
-from packio.errors import PackioError, StateError
+from packio.errors import FormatError, PackioError, StateError, redact
 from packio.formats.base import Reader
 from packio.items import Item, Items
 from packio.options import DecodeOptions, merge_options
@@ -57,6 +57,7 @@ class PackedDataset(Dataset):
     format_name: str | None = None
 
     def __init__(self, path: str | Path, *, options: DecodeOptions | None = None, **fields: Any) -> None:
+        _not_a_url(path, type(self), iterable=False)
         self.options = merge_options(DecodeOptions, options, fields, type(self).__name__)
         self.items = Items(path, self.format_name, self.options)
         self.path = str(path)
@@ -89,6 +90,18 @@ class PackedDataset(Dataset):
     def sample(self, i: int) -> Sample:
         """The stored sample itself (payload bytes/array and record), undecoded."""
         return self.reader.read(i)
+
+
+def _not_a_url(path: Any, cls: type, iterable: bool) -> None:
+    """A URL reads through a cache with retries and timeouts, which open_dataset sets up
+    (and takes the options of): said before any keyword of those options is refused."""
+    from packio.remote import is_url
+
+    if is_url(path):
+        how = "url, iterable=True" if iterable else "url"
+        raise FormatError(f"{redact(path)}: a URL; use packio.open_dataset({how}) (it takes cache_dir=, "
+                          f"cache_limit=, retries=, timeout=, and every {cls.__name__} option), not "
+                          f"{cls.__name__}(url)")
 
 
 @dataclass
@@ -270,6 +283,7 @@ class PackedIterableDataset(_Resumable, IterableDataset):
     def __init__(self, path: str | Path, *, shuffle: bool = False, seed: int = 0, batch_size: int | None = 1,
                  window: int = 8, rank: int | None = None, world_size: int | None = None,
                  even: str | None = "pad", options: DecodeOptions | None = None, **fields: Any) -> None:
+        _not_a_url(path, type(self), iterable=True)
         self.shuffle, self.seed = _check_flags(shuffle, seed)
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, 1)
         self.window, self.even = check_int("window", window, 1), check_even(even)

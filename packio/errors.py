@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["PackioError", "SourceError", "OutputExistsError", "OutputBusyError", "FormatError", "DatasetReplacedError",
            "CorruptSampleError", "StateError", "RemoteError", "RemoteUnreachableError", "RemoteTimeoutError",
-           "RemoteAccessError", "RemoteNotFoundError", "RangeNotSupportedError"]
+           "RemoteAccessError", "RemoteNotFoundError", "BucketNotFoundError", "RangeNotSupportedError", "redact"]
 
 
 class PackioError(Exception):
@@ -69,5 +71,19 @@ class RemoteNotFoundError(RemoteError):
     """The object or bucket named by a URL does not exist."""
 
 
+class BucketNotFoundError(RemoteNotFoundError):
+    """The bucket (container) named by a URL does not exist: create it first."""
+
+
 class RangeNotSupportedError(RemoteError):
     """The server ignored a byte-range request (answered 200 with the whole object)."""
+
+
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/\s@'\"]*@")
+_QUERY = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s'\"?#]*)[?#][^\s'\"]*")
+
+
+def redact(text: object) -> str:
+    """``text`` with every URL's user name, password, query string and fragment removed
+    (signed URLs carry their tokens in the query): what messages may print."""
+    return _QUERY.sub(r"\1", _USERINFO.sub(r"\1", str(text)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from packio.errors import PackioError
+from packio.errors import PackioError, redact
 from packio.remote import is_url
 
 __all__ = ["convert", "open_reader", "verify", "is_url"]
@@ -48,7 +48,8 @@ def convert(src: Any, dst: str | Path, *args: Any, storage_options: dict[str, An
 
 def verify(path: str | Path, **remote: Any) -> Any:
     """:func:`packio.verifier.verify`; a URL: every file is downloaded into the cache
-    and checked, each one that fails is a line of the report."""
+    and checked; each one that fails is one line of the report (its samples are still
+    checked, by range reads), which names the URL without credentials."""
     from packio.verifier import VerifyReport
     from packio.verifier import verify as verify_local
 
@@ -56,14 +57,14 @@ def verify(path: str | Path, **remote: Any) -> Any:
         return verify_local(path)
     from packio.remote import open_url
 
+    shown = redact(str(path))
     try:
         reader = open_url(str(path), **remote)
     except PackioError as exc:
         if "\n" not in str(exc) and not str(exc).count("checksum"):
             raise  # not a dataset, unreachable, ...: nothing to report on
-        return VerifyReport(path=str(path), bad_files=str(exc).splitlines())
-    problems = reader.fetch_all() if hasattr(reader, "fetch_all") else []
-    report = verify_local(reader)
-    report.path = str(reader)
-    report.bad_files[:0] = problems
+        return VerifyReport(path=shown, bad_files=str(exc).splitlines())
+    damaged = reader.fetch_all() if hasattr(reader, "fetch_all") else {}
+    report = verify_local(reader, damaged)
+    report.path = shown
     return report

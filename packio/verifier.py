@@ -38,9 +38,10 @@ def _why(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, PackioError) else f"{type(exc).__name__}: {exc}"
 
 
-def _check_files(reader: Reader, out: list[str]) -> None:
+def _check_files(reader: Reader, out: list[str], known: dict[str, str]) -> None:
     """The manifest against its digest; each listed file's size and checksum (only
-    files inside the dataset are read)."""
+    files inside the dataset are read); ``known``: files already found damaged, each
+    reported once with the reason given."""
     m = reader.manifest
     if not m.source.get("foreign"):
         where = MANIFEST_NAME if reader.path.is_dir() else "manifest"
@@ -49,6 +50,9 @@ def _check_files(reader: Reader, out: list[str]) -> None:
         elif m.digest != m.content_digest():
             out.append(f"{where}: content differs from its digest (edited or damaged)")
     for rel, facts in m.files.items():
+        if rel in known:
+            out.append(f"{rel}: {known[rel]}")
+            continue
         try:
             p = inside(reader.path, rel)
             if not p.is_file():
@@ -61,19 +65,20 @@ def _check_files(reader: Reader, out: list[str]) -> None:
             out.append(f"{rel}: {_why(exc)}")
 
 
-def verify(path: str | Path) -> VerifyReport:
+def verify(path: str | Path | Reader, damaged: dict[str, str] | None = None) -> VerifyReport:
     """Check a packed dataset; damage of any kind is reported, never raised. Raises
     only a PackioError when ``path`` cannot be opened as a packed dataset at all.
-    An edited manifest is opened anyway (:func:`trust_manifest`), to report it."""
+    An edited manifest is opened anyway (:func:`trust_manifest`), to report it.
+    ``damaged``: listed files found damaged already (a download refused), not read again."""
     with trust_manifest():
-        return _verify(path)
+        return _verify(path, damaged or {})
 
 
-def _verify(path: str | Path) -> VerifyReport:
+def _verify(path: str | Path | Reader, damaged: dict[str, str]) -> VerifyReport:
     reader = open_reader(path)
     report = VerifyReport(path=str(path), count=len(reader))
     try:
-        _check_files(reader, report.bad_files)
+        _check_files(reader, report.bad_files, damaged)
         report.bad_files += reader.check_stored()  # what the format keeps beyond the listed files
     except Exception as exc:  # noqa: BLE001 - hostile files: whatever a library raises goes into the report
         report.bad_files.append(f"(stored data): cannot be checked ({_why(exc)})")

@@ -472,3 +472,111 @@ def test_forbidden_is_an_access_error(served, tmp_path):
     server.mode = "forbid"
     with pytest.raises(RemoteAccessError, match="access denied"):
         packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
+
+
+def test_missing_bucket_says_create_it(gen_folder, tmp_path, s3_server):
+    """A bucket that does not exist (SeaweedFS): opening and converting to it say so
+    (RemoteNotFoundError naming the bucket), not 'not a packed dataset', not busy, not credentials."""
+    from packio.errors import RemoteNotFoundError
+
+    src, csv = gen_folder
+    url = "s3://no-such-bucket-29/ds.wds"
+    with pytest.raises(RemoteNotFoundError, match=r"bucket s3://no-such-bucket-29 does not exist; create it"):
+        packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteNotFoundError, match=r"bucket s3://no-such-bucket-29 does not exist; create it"):
+        packio.convert(src, url, csv=csv, progress=False, tmp_dir=tmp_path / "tmp")
+    assert time.monotonic() - t0 < 30
+    assert "no-such-bucket-29" not in {b["Name"] for b in s3_server.client().list_buckets()["Buckets"]}
+
+
+@pytest.mark.parametrize("fmt", ["wds", "lmdb"])
+def test_verify_url_reports_a_damaged_object_once(fmt, gen_folder, tmp_path, http_server, monkeypatch, capsys,
+                                                  caplog):
+    """`packio verify URL` with one object damaged on the server (same size, bytes
+    flipped): one line for that file, exit 1, the URL named without its password."""
+    from packio.cli import main
+
+    if fmt == "lmdb":
+        pytest.importorskip("lmdb")
+    src, csv = gen_folder
+    packio.convert(src, http_server.root / f"ds.{fmt}", csv=csv, shard_samples=4, progress=False)
+    name = "shard-000001.tar" if fmt == "wds" else "data.mdb"
+    damaged = http_server.root / f"ds.{fmt}" / name
+    data = bytearray(damaged.read_bytes())
+    for k in range(len(data) // 2, len(data) // 2 + 8):
+        data[k] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    secret = "S3CR3T-pw"
+    monkeypatch.setenv("PACKIO_CACHE_DIR", str(tmp_path / "cache"))
+    port = http_server.url.rsplit(":", 1)[1]
+    assert main(["verify", f"http://user:{secret}@127.0.0.1:{port}/ds.{fmt}"]) == 1
+    cap = capsys.readouterr()
+    out = cap.out + cap.err + caplog.text
+    files = [line for line in cap.out.splitlines() if line.startswith("  file ")]
+    assert len(files) == 1 and name in files[0] and "checksum" in files[0], cap.out
+    assert secret not in out and f"127.0.0.1:{port}/ds.{fmt}" in cap.out.splitlines()[0], out
+
+
+class _LyingS3(http.server.BaseHTTPRequestHandler):
+    """An 'S3 server' that answers every GET with more than a range asked for: ``whole``
+    (200 and a 64 MiB Content-Length) or ``endless`` (206, no length, a body until close)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        whole = self.server.mode == "whole"  # type: ignore[attr-defined]
+        self.send_response(200 if whole else 206)
+        self.send_header("Content-Length" if whole else "Connection", str(64 << 20) if whole else "close")
+        self.end_headers()
+        try:
+            while self.server.sent < (64 << 20):  # type: ignore[attr-defined]
+                self.wfile.write(b"\0" * (1 << 20))
+                self.server.sent += 1 << 20  # type: ignore[attr-defined]
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("mode", ["whole", "endless"])
+def test_s3_range_longer_than_asked_is_refused_unread(mode):
+    """s3fs's cat_ranges reads a range's whole body, whatever its length: packio's S3
+    range reads refuse a longer one from its header, or after one byte too many."""
+    pytest.importorskip("s3fs")
+    from packio.remote.store import Retry, Store
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LyingS3)
+    httpd.daemon_threads = True
+    httpd.mode, httpd.sent = mode, 0
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        store = Store("s3://bkt/ds.wds", {"endpoint_url": f"http://127.0.0.1:{httpd.server_address[1]}",
+                                          "key": "k", "secret": "s"}, Retry(attempts=1, timeout=2.0, total=3.0))
+        with pytest.raises(RangeNotSupportedError, match="asked for 1000 bytes at 100"):
+            store.cat_ranges(["shard-000000.tar"], [100], [1100])
+        assert httpd.sent < 32 << 20  # hung up early, not buffered whole (64 MiB)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_dataset_classes_given_a_url_point_to_open_dataset():
+    """PackedDataset(url) and the per-format classes: a packio error that says to use
+    open_dataset (even with its options, before they are refused), the password left out."""
+    secret = "S3CR3T-pw"
+    url = f"https://user:{secret}@127.0.0.1:9/ds.wds?sig={secret}"
+    from packio.datasets import format_classes
+
+    classes = format_classes()
+    makes = [lambda: packio.PackedDataset(url), lambda: packio.PackedIterableDataset(url, shuffle=True),
+             lambda: packio.PackedDataset(url, cache_dir="/tmp/x"), lambda: classes["TarDataset"](url, retries=3),
+             lambda: classes["TarIterableDataset"](url, cache_limit="1GB")]
+    for make in makes:
+        with pytest.raises(FormatError, match=r"packio\.open_dataset\(url") as e:
+            make()
+        assert secret not in str(e.value) and "127.0.0.1:9/ds.wds" in str(e.value)
+    with pytest.raises(FormatError, match="pass URLs as strings"):
+        packio.PackedDataset(Path("s3://bucket/ds.wds"))

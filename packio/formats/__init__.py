@@ -12,7 +12,7 @@ import importlib
 import re
 from pathlib import Path
 
-from packio.errors import FormatError
+from packio.errors import FormatError, redact
 from packio.formats.base import FormatSpec, Reader
 from packio.manifest import MANIFEST_NAME
 
@@ -93,7 +93,7 @@ def open_reader(path: str | Path | Reader) -> Reader:
     if isinstance(path, Reader):
         return path
     if isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", path):
-        raise FormatError(f"{path}: a URL; open it with packio.open_dataset(url) or packio.open_reader(url)")
+        raise FormatError(f"{redact(path)}: a URL; open it with packio.open_dataset(url) or packio.open_reader(url)")
     p = Path(path)
     if p.is_dir() and (p / MANIFEST_NAME).is_file():
         manifest = Reader.read_manifest(p)
@@ -107,6 +107,8 @@ def open_reader(path: str | Path | Reader) -> Reader:
     if spec is not None:
         return spec.reader.open_unlisted(str(path))
     if not p.exists():
-        raise FormatError(f"{path}: no such file or folder")
+        hint = ("; a URL made into a Path (which drops a '/')? pass URLs as strings to packio.open_dataset(url)"
+                if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:/[^/]", str(path)) else "")
+        raise FormatError(f"{redact(path)}: no such file or folder{hint}")
     raise FormatError(f"{path}: not a packed dataset (no {MANIFEST_NAME}, and no format recognises it); "
                       f"pack it first with 'packio convert'")

@@ -12,12 +12,14 @@ two lock files in ``<version>/.locks/``:
 
 Downloads go to a temporary name, are checked against the manifest's size and
 xxh3-128, then renamed into place (atomic). ``limit`` evicts least recently used
-entries (a use touches the file's mtime) before each download.
+entries (a use touches the file's mtime) before a download that needs room; the
+cache's :class:`Index` (a journal at the root) says how full it is without a walk.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -25,14 +27,15 @@ import stat
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from packio.errors import RemoteError
 from packio.manifest import file_digest
 from packio.remote.store import Store
 
-__all__ = ["Cache", "Pin", "default_cache_dir", "open_cached", "parse_size", "valid"]
+__all__ = ["Cache", "Index", "Pin", "default_cache_dir", "open_cached", "parse_size", "valid"]
 
 log = logging.getLogger("packio")
 MARK, WHOLE, COMPLETE, LOCKS = ".packio-cache", ".whole", ".complete", ".locks"
@@ -121,6 +124,7 @@ class Cache:
         self.lock_timeout = lock_timeout
         self.downloads = 0  # files this process downloaded (statistics)
         self._warned = False
+        self._index: Index | None = None
 
     def version_dir(self, url: str, version: str) -> Path:
         """``ROOT/scheme/host/path/version``: no user name, password or query string
@@ -153,7 +157,10 @@ class Cache:
                     if not valid(dest, info[0]):  # nobody fetched it while we waited
                         _remove(dest)  # a planted link, a truncated or grown file: fetched again
                         self.evict(reserve=info[0] or 0)
+                        self._note(dest, info[0])
                         self._download(store, rel, dest, info)
+                        if info[0] is None:
+                            self._note(dest, _size(dest))
                 finally:
                     _unlock(dl)
             os.utime(dest)  # LRU: last use
@@ -194,6 +201,7 @@ class Cache:
             raise RemoteError(f"{store}: this dataset is {total / 1e6:.1f} MB and is cached whole, more than "
                               f"the cache limit of {self.limit / 1e6:.1f} MB; raise cache_limit")
         self.evict(reserve=total)
+        self._note(vdir, total, whole=True)
 
         def one(item: tuple[str, FileInfo]) -> str:
             rel, info = item
@@ -244,10 +252,26 @@ class Cache:
                           f"replaced after its manifest was written; re-upload the dataset "
                           f"(packio convert SRC URL --overwrite)")
 
-    # -- eviction --------------------------------------------------------------------------
+    # -- eviction ----------------------------------------------------------------------------
+
+    @property
+    def index(self) -> "Index":
+        if self._index is None:
+            self._index = Index(self.root, self.lock_timeout, self._walk_entries)
+        return self._index
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _index=None)  # a worker reads the journal itself (not a parent's copy)
+
+    def _note(self, entry: Path, size: int | None, whole: bool = False) -> None:
+        """Record an entry in the index before it is written (a crash in between only
+        over-counts, which the next eviction pass corrects)."""
+        if size is not None:
+            self.index.add(entry.relative_to(self.root).as_posix(), size, whole)
 
     def _units(self) -> Iterator[tuple[float, int, Path, list[Path], bool]]:
-        """(last use, bytes, pin lock, files, whole) for every entry under the root."""
+        """(last use, bytes, pin lock, files, whole) for every entry under the root: a walk,
+        for :meth:`usage` and to (re)build the index, never per download."""
         for dirpath, dirnames, filenames in os.walk(self.root):
             if MARK not in filenames:
                 dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -256,13 +280,9 @@ class Cache:
             dirnames[:] = []
             files = [p for p in _data_files(vdir)]
             if (vdir / WHOLE).exists():
-                try:
-                    used = (vdir / (COMPLETE if (vdir / COMPLETE).exists() else WHOLE)).stat().st_mtime
-                except OSError:
-                    continue
-                size = sum(_size(p) for p in files)
-                if files:
-                    yield used, size, self._lockfile(vdir, DATASET, "pin"), files, True
+                used = _last_use(vdir, True)
+                if files and used is not None:
+                    yield used, sum(_size(p) for p in files), self._lockfile(vdir, DATASET, "pin"), files, True
                 continue
             for p in files:
                 try:
@@ -272,41 +292,240 @@ class Cache:
                 yield st.st_mtime, st.st_size, self._lockfile(vdir, p.relative_to(vdir).as_posix(), "pin"), [p], False
 
     def usage(self) -> int:
-        """Bytes of cached entries under the root."""
+        """Bytes of cached entries under the root (a walk: the truth, not the index)."""
         return sum(u[1] for u in self._units())
 
     def evict(self, reserve: int = 0) -> None:
-        """Delete least recently used entries not in use until ``reserve`` more bytes fit the limit."""
+        """Delete least recently used entries not in use until ``reserve`` more bytes fit
+        the limit. The index says whether anything must go (no walk); a pass, under the
+        index's lock, stats the indexed entries once and frees a tenth of the limit more
+        than needed, so passes are rare when every download needs room."""
         if self.limit is None:
             return
-        units = sorted(self._units(), key=lambda u: u[0])
-        total = sum(u[1] for u in units)
-        target = max(0, self.limit - reserve)
-        for _, size, lockfile, files, whole in units:
-            if total <= target:
-                return
-            try:
-                fd = os.open(lockfile, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # in use by some process: never evicted
-                os.close(fd)
-                continue
-            try:
-                if whole:
-                    (lockfile.parent.parent / COMPLETE).unlink(missing_ok=True)
-                for p in files:
-                    p.unlink(missing_ok=True)
-                total -= size
-            finally:
-                _unlock(fd)
+        index, target = self.index, max(0, self.limit - reserve)
+        index.ensure()
+        if index.total <= target:
+            return
+        with index.exclusive():
+            index.refresh()
+            if index.total > target:
+                self._evict_pass(max(0, target - self.limit // 10))
+            total = index.total
         if total > target and not self._warned:
             self._warned = True
             log.warning("packio: the cache in %s holds %.1f MB in use, over its limit of %.1f MB; "
                         "the limit should hold at least the shards read at once plus prefetch",
                         self.root, total / 1e6, self.limit / 1e6)
+
+    def _walk_entries(self) -> dict[str, tuple[int, bool]]:
+        return {(lock.parent.parent if whole else files[0]).relative_to(self.root).as_posix(): (size, whole)
+                for _, size, lock, files, whole in self._units()}
+
+    def _evict_pass(self, goal: int) -> None:
+        """Least recently used first, skipping entries in use, down to ``goal`` bytes if
+        possible (caller holds the index exclusively). Each removal is journalled as it
+        happens: a crash mid-pass leaves files and index agreeing but for one entry."""
+        index = self.index
+        units = []
+        for rel, (size, whole) in list(index.entries.items()):
+            used = _last_use(self.root / rel, whole)
+            if used is None:
+                index.drop(rel)  # gone (evicted by a crashed pass, removed by hand, a failed download)
+            else:
+                units.append((used, rel, whole))
+        units.sort()
+        for _, rel, whole in units:
+            if index.total <= goal:
+                return
+            if self._remove_unit(self.root / rel, whole):
+                index.drop(rel)
+
+    def _remove_unit(self, path: Path, whole: bool) -> bool:
+        """Delete one entry unless some process has it pinned; False when in use."""
+        vdir = path if whole else _vdir_of(path, self.root)
+        if vdir is None:
+            return False
+        lockfile = self._lockfile(vdir, DATASET if whole else path.relative_to(vdir).as_posix(), "pin")
+        try:
+            lockfile.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lockfile, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # in use by some process: never evicted
+            os.close(fd)
+            return False
+        try:
+            if whole:
+                (vdir / COMPLETE).unlink(missing_ok=True)  # first: a half-deleted dataset is never trusted
+                for p in list(_data_files(vdir)):
+                    p.unlink(missing_ok=True)
+            else:
+                path.unlink(missing_ok=True)
+            return True
+        finally:
+            _unlock(fd)
+
+
+class Index:
+    """Which entries the cache holds and their sizes: an append-only journal at the root
+    (``+`` entry, bytes, whole / ``-`` entry, one JSON line each) that every process
+    reads from where it last stopped, so knowing the cache's usage costs what was
+    written since, not a walk. Appends hold its lock shared, rewrites exclusively.
+    The journal is a hint kept honest: an entry it lists that is gone is dropped by
+    the next eviction pass, and it is rebuilt from a walk when it has grown to four
+    times its entries (amortised: a walk per thousands of downloads), when it is
+    missing, or unreadable."""
+
+    NAME = ".packio-index"
+    LINE = 1 << 16  # a longer "line" is not one of ours: skipped
+
+    def __init__(self, root: Path, lock_timeout: float, walk: Callable[[], dict[str, tuple[int, bool]]]) -> None:
+        self.path, self.lockpath = root / self.NAME, root / f"{self.NAME}.lock"
+        self.lock_timeout, self.walk = lock_timeout, walk  # walk(): every entry, from the file system
+        self.entries: dict[str, tuple[int, bool]] = {}
+        self.total, self.lines = 0, 0
+        self._seen: tuple[int, int] | None = None  # (device, inode) of the journal read so far
+        self._offset = 0
+        self._held: int | None = None  # the exclusive lock's fd while held
+
+    def _set(self, rel: str, value: tuple[int, bool] | None) -> None:
+        old = self.entries.pop(rel, None)
+        if old is not None:
+            self.total -= old[0]
+        if value is not None:
+            self.entries[rel] = value
+            self.total += value[0]
+
+    def _apply(self, line: bytes) -> None:
+        if not line:
+            return
+        self.lines += 1
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return  # a torn line (a crash mid-append): the walk at the next rebuild knows better
+        if isinstance(rec, list) and len(rec) == 4 and rec[0] == "+" and isinstance(rec[1], str) \
+                and isinstance(rec[2], int) and rec[2] >= 0:
+            self._set(rec[1], (rec[2], bool(rec[3])))
+        elif isinstance(rec, list) and len(rec) == 2 and rec[0] == "-" and isinstance(rec[1], str):
+            self._set(rec[1], None)
+
+    def refresh(self) -> bool:
+        """Catch up with the journal (from its start when it was rewritten); False when there is none."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            self._seen = None
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            if (st.st_dev, st.st_ino) != self._seen or st.st_size < self._offset:
+                self.entries, self.total, self.lines, self._offset = {}, 0, 0, 0
+                self._seen = (st.st_dev, st.st_ino)
+            os.lseek(fd, self._offset, os.SEEK_SET)
+            rest = b""
+            while chunk := os.read(fd, 1 << 20):
+                lines = (rest + chunk).split(b"\n")
+                rest = lines.pop()
+                if len(rest) > self.LINE:
+                    self._offset += len(rest)
+                    rest = b""
+                for line in lines:
+                    self._offset += len(line) + 1
+                    self._apply(line)
+            return True  # an unfinished last line is read again next time
+        finally:
+            os.close(fd)
+
+    def _fresh(self) -> bool:
+        return self.refresh() and self.lines <= 4 * len(self.entries) + 1024
+
+    def ensure(self) -> None:
+        """Read the journal; build it from a walk when there is none, rebuild it when it
+        has grown far past its entries."""
+        if self._fresh():
+            return
+        with self.exclusive():
+            if self._fresh():
+                return  # another process did it meanwhile
+            entries = self.walk()
+            tmp = self.path.with_name(f"{self.NAME}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                tmp.write_bytes(b"".join(_record("+", rel, size, whole) for rel, (size, whole) in entries.items()))
+                os.replace(tmp, self.path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                log.debug("packio: cannot write the cache index %s: %s", self.path, exc)
+            self.refresh()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the journal's lock alone: one eviction pass or rebuild at a time."""
+        if self._held is not None:
+            yield
+            return
+        self._held = _lock(self.lockpath, fcntl.LOCK_EX, self.lock_timeout)
+        try:
+            yield
+        finally:
+            fd, self._held = self._held, None
+            _unlock(fd)
+
+    def add(self, rel: str, size: int, whole: bool) -> None:
+        self._write(_record("+", rel, size, whole))
+
+    def drop(self, rel: str) -> None:
+        self._write(_record("-", rel))
+
+    def _write(self, line: bytes) -> None:
+        """Append one record (one write: appends never interleave) and apply it here; a
+        cache without a journal yet gets none (the first eviction builds it from a walk)."""
+        fd = _lock(self.lockpath, fcntl.LOCK_SH, self.lock_timeout) if self._held is None else None
+        try:
+            out = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.write(out, line)
+            finally:
+                os.close(out)
+        except OSError:
+            return
+        finally:
+            if fd is not None:
+                _unlock(fd)
+        if not self._fresh() and self._held is None:
+            self.ensure()  # grown past its entries: rewritten (also where no eviction ever runs)
+
+
+def _record(kind: str, rel: str, *rest: object) -> bytes:
+    """One journal line; it starts with a newline too, so a line torn by a crash ends
+    before the next record instead of swallowing it."""
+    return b"\n" + json.dumps([kind, rel, *rest]).encode() + b"\n"
+
+
+def _last_use(path: Path, whole: bool) -> float | None:
+    """When an entry was last used (its mtime; a whole dataset's ``.complete``), None when gone."""
+    for p in ((path / COMPLETE, path / WHOLE) if whole else (path,)):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            return st.st_mtime
+    return None
+
+
+def _vdir_of(path: Path, root: Path) -> Path | None:
+    """The version folder (the one with the cache mark) holding a cached file."""
+    for parent in path.parents:
+        if parent == root or root not in parent.parents:
+            return None
+        if (parent / MARK).is_file():
+            return parent
+    return None
 
 
 def valid(path: Path, size: int | None) -> bool:

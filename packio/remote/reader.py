@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from packio import limits
-from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, RemoteError, RemoteNotFoundError
+from packio.errors import (BucketNotFoundError, CorruptSampleError, DatasetReplacedError, FormatError, RemoteError,
+                           RemoteNotFoundError)
 from packio.formats.base import Reader
 from packio.formats.tar import INDEX, TarReader
 from packio.manifest import DIGEST, MANIFEST_NAME, Manifest
@@ -93,6 +94,8 @@ def read_manifest(store: Store) -> tuple[bytes, Manifest]:
     """The manifest at ``store`` (bytes, parsed), at most ``limits.MAX_MANIFEST_BYTES``."""
     try:
         text = store.read(MANIFEST_NAME, limits.MAX_MANIFEST_BYTES)
+    except BucketNotFoundError:
+        raise
     except RemoteNotFoundError:
         raise FormatError(f"{store}: no {MANIFEST_NAME} there: not a packed dataset, or its upload did not "
                           f"finish (the manifest is uploaded last); pack it with 'packio convert SRC {store}'"
@@ -284,15 +287,15 @@ class RemoteTarReader(TarReader):
         no other. (A dataset replaced at the URL shows up as shards failing their checksum.)"""
         return self.manifest.id
 
-    def fetch_all(self) -> list[str]:
-        """Download (and check) every file of the dataset into the cache; one line per
-        file that could not be fetched or failed its check."""
-        problems = []
+    def fetch_all(self) -> dict[str, str]:
+        """Download (and check) every file of the dataset into the cache; what went wrong
+        with each file that could not be fetched or failed its check."""
+        problems = {}
         for name, info in self.files.items():
             try:
                 self.cache.fetch(self.store, name, self.vdir, info).release()
             except RemoteError as exc:
-                problems.append(f"{name}: {exc}")
+                problems[name] = str(exc)
         return problems
 
     # -- per-process handles ----------------------------------------------------------------
@@ -447,11 +450,10 @@ class RemoteTarReader(TarReader):
     def _checked(self, i: int) -> Sample:
         """One sample, its payload checked against its record's checksum: a mismatch is
         a replaced dataset (the manifest at the URL changed) or a corrupt sample."""
-        ranged = any(k[0] == int(self.index[i, 0]) for k in self._h_ranges)
         try:
             s = TarReader.read(self, i)
         except CorruptSampleError:
-            if ranged:
+            if any(k[0] == int(self.index[i, 0]) for k in self._h_ranges):  # read by range
                 self._check_replaced("a range read no longer matches the index")
             raise
         if s.checksum and checksum(s.payload) != s.checksum:

@@ -14,15 +14,14 @@ import asyncio
 import logging
 import os
 import random
-import re
 import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from packio.errors import (RangeNotSupportedError, RemoteAccessError, RemoteError, RemoteNotFoundError,
-                           RemoteTimeoutError, RemoteUnreachableError)
+from packio.errors import (BucketNotFoundError, RangeNotSupportedError, RemoteAccessError, RemoteError,
+                           RemoteNotFoundError, RemoteTimeoutError, RemoteUnreachableError, redact)
 
 __all__ = ["Retry", "Store", "redact"]
 
@@ -30,16 +29,6 @@ log = logging.getLogger("packio")
 T = TypeVar("T")
 EXTRA = "pip install 'packio[remote]'"
 CHUNK = 4 << 20  # bytes per streamed read
-
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/\s@'\"]*@")
-_QUERY = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s'\"?#]*)[?#][^\s'\"]*")
-
-
-def redact(text: str) -> str:
-    """``text`` with every URL's user name, password, query string and fragment removed
-    (signed URLs carry their tokens in the query)."""
-    return _QUERY.sub(r"\1", _USERINFO.sub(r"\1", str(text)))
-
 
 @dataclass(frozen=True)
 class Retry:
@@ -186,16 +175,23 @@ class Store:
                 if cause is not None and _kind(cause) in ("unreachable", "timeout"):
                     self._retry_or_raise(what, url, cause, k, deadline)
                     continue
-                bucket = "bucket" in str(exc).lower()
-                raise RemoteNotFoundError(
-                    f"{url}: {'the bucket does not exist; create it first' if bucket else 'not found'}"
-                    f"{'' if bucket else ' (deleted, or never uploaded?)'}") from None
+                if "bucket" in str(exc).lower():
+                    raise self._no_bucket(url) from None
+                raise RemoteNotFoundError(f"{url}: not found (deleted, or never uploaded?)") from None
             except PermissionError:
                 raise RemoteAccessError(f"{url}: access denied; check the credentials in your environment "
                                         f"(AWS_* variables, ~/.aws/credentials, ...) and the permissions") from None
             except Exception as exc:  # clients raise many unrelated types; classify, then retry or stop
                 self._retry_or_raise(what, url, exc, k, deadline)
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _no_bucket(self, url: str) -> BucketNotFoundError:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.url)
+        bucket = f"{u.scheme}://{u.hostname or ''}"
+        return BucketNotFoundError(f"{url}: the bucket {bucket} does not exist; create it first, or check "
+                                   f"its name")
 
     def _retry_or_raise(self, what: str, url: str, exc: BaseException, k: int, deadline: float) -> None:
         """Wait before try ``k + 2``, or raise when the error is permanent or time is up."""
@@ -216,17 +212,19 @@ class Store:
         if not rel:
             return []
         where = rel[0] if len(set(rel)) == 1 else ""
-        if self.http:  # fsspec's http cat_ranges reads a whole body whatever its length: bounded here
-            out = self.call("range read", where, lambda fs, _: _http_ranges(
-                fs, [self._path(r) for r in rel], starts, ends, [self.url_of(r) for r in rel]))
-        else:
-            out = self.call("range read", where, lambda fs, _: fs.cat_ranges([self._path(r) for r in rel], starts,
-                                                                             ends, on_error="raise"))
+
+        def ranges(fs: Any, _: str) -> list[bytes]:
+            paths, urls = [self._path(r) for r in rel], [self.url_of(r) for r in rel]
+            # fsspec's http and s3fs's cat_ranges read a whole body whatever its length: bounded here
+            one = _http_range if self.http else _s3_range if hasattr(fs, "call_s3") else None
+            if one is None:
+                return fs.cat_ranges(paths, starts, ends, on_error="raise")
+            return _bounded_ranges(one, fs, paths, starts, ends, urls)
+
+        out = self.call("range read", where, ranges)
         for r, a, b, blob in zip(rel, starts, ends, out):
             if len(blob) != b - a:
-                raise RangeNotSupportedError(f"{self.url_of(r)}: asked for {b - a} bytes at {a}, got {len(blob)}: "
-                                             f"the server does not honour byte ranges; serve the dataset from a "
-                                             f"server that does, or read it as a stream (iterable=True)")
+                raise _refused(self.url_of(r), b - a, a, len(blob))
         return out
 
     @property
@@ -245,6 +243,16 @@ class Store:
         """Upload ``data``; ``create``: only if no object is there (S3 ``If-None-Match``)."""
         kw = {"mode": "create"} if create else {}
         self.call("upload", rel, lambda fs, p: fs.pipe_file(p, data, **kw))
+
+    def check_bucket(self) -> None:
+        """S3: a missing bucket is a ``BucketNotFoundError`` before anything is written
+        (some servers, SeaweedFS among them, would make one on the first write)."""
+        def probe(fs: Any, path: str) -> None:
+            if hasattr(fs, "call_s3"):  # one cheap list of at most one key, with the permission uploads need
+                bucket, key, _ = fs.split_path(path)
+                fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1)
+
+        self.call("list", "", probe)
 
     def exists(self, rel: str) -> bool:
         return self.call("stat", rel, lambda fs, p: fs.exists(p))
@@ -327,17 +335,52 @@ def _http_range(fs: Any, path: str, start: int, end: int, url: str) -> bytes:
             chunks.append(b)
             got += len(b)
     if got != want:
-        what = "more" if got > want else "the whole file" if got < 0 else got
-        raise RangeNotSupportedError(f"{url}: asked for {want} bytes at {start}, got {what}"
-                                     f": the server does not honour byte ranges; serve the dataset from a server "
-                                     f"that does, or read it as a stream (iterable=True)")
+        raise _refused(url, want, start, "more" if got > want else "the whole file" if got < 0 else got)
     return b"".join(chunks)
 
 
-def _http_ranges(fs: Any, paths: list[str], starts: list[int], ends: list[int], urls: list[str]) -> list[bytes]:
+def _s3_range(fs: Any, path: str, start: int, end: int, url: str) -> bytes:
+    """Bytes ``[start, end)`` by one S3 GET with ``Range``: a response whose length is
+    not the range's (a whole object, a longer body) is refused from its header, and the
+    body is read at most one byte past what was asked, never buffered whole."""
+    from fsspec.asyn import sync
+
+    want = end - start
+    if want <= 0:
+        return b""
+    bucket, key, version = fs.split_path(path)
+    resp = fs.call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                      **({"VersionId": version} if version else {}))
+    body, chunks, got = resp["Body"], [], 0
+    try:
+        length = resp.get("ContentLength")
+        if isinstance(length, int) and length != want:
+            raise _refused(url, want, start, "more" if length > want else length)
+        while got <= want:
+            b = sync(fs.loop, body.read, min(CHUNK, want + 1 - got))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+    finally:
+        body.close()  # an unread rest is dropped with its connection
+    if got != want:
+        raise _refused(url, want, start, "more" if got > want else got)
+    return b"".join(chunks)
+
+
+def _refused(url: str, want: int, start: int, got: object) -> RangeNotSupportedError:
+    return RangeNotSupportedError(f"{url}: asked for {want} bytes at {start}, got {got}: the server does not "
+                                  f"honour byte ranges; serve the dataset from a server that does, or read it as "
+                                  f"a stream (iterable=True)")
+
+
+def _bounded_ranges(one: Callable[..., bytes], fs: Any, paths: list[str], starts: list[int], ends: list[int],
+                    urls: list[str]) -> list[bytes]:
+    """``one(fs, path, start, end, url)`` for each range, 8 at a time."""
     if len(paths) == 1:
-        return [_http_range(fs, paths[0], starts[0], ends[0], urls[0])]
+        return [one(fs, paths[0], starts[0], ends[0], urls[0])]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="packio-range") as pool:
-        return list(pool.map(lambda k: _http_range(fs, paths[k], starts[k], ends[k], urls[k]), range(len(paths))))
+        return list(pool.map(lambda k: one(fs, paths[k], starts[k], ends[k], urls[k]), range(len(paths))))

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from packio.errors import OutputBusyError, OutputExistsError, RemoteError
+from packio.errors import OutputBusyError, OutputExistsError, RemoteError, RemoteNotFoundError
 from packio.manifest import MANIFEST_NAME
 from packio.remote.reader import SINGLE_FILE, version
 from packio.remote.store import Store
@@ -72,6 +72,8 @@ class _Lock:
                 raise self._busy()
             try:
                 self.store.put_bytes(self._body(), self.rel, create=True)
+            except RemoteNotFoundError:
+                raise  # no bucket: nothing to be busy about
             except RemoteError:  # 412: there is one; take it over only once it has expired
                 if not self._expired():
                     raise self._busy() from None
@@ -120,6 +122,9 @@ def convert_to_url(convert: Callable[..., Any], src: str | Path, dst: str, *args
     parent, _, name = dst.rpartition("/")
     single = Path(name).suffix.lower() in SINGLE_FILE
     store = Store(parent if single else dst, storage_options)
+    store.check_bucket()
+    if tmp_dir is not None:
+        Path(tmp_dir).mkdir(parents=True, exist_ok=True)
     clean_staging(tmp_dir)
     lock = _Lock(store, f"{name}{LOCK}" if single else LOCK)
     lock.acquire()
