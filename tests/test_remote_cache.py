@@ -150,3 +150,34 @@ def test_the_index_is_rewritten_from_the_files_when_it_outgrows_them(tmp_path):
     fresh = Cache(root, limit=10**9)
     fresh.evict()
     assert fresh.index.total == index.total  # another process reads the same
+
+
+def test_an_edited_index_never_reaches_outside_the_cache(two_sets, tmp_path):
+    """Attack review: journal lines naming files outside the cache (``..`` below a real
+    version folder, a whole-dataset entry, an absolute path, a link inside the cache
+    to an outside folder) with huge sizes must not get anything outside deleted, nor
+    make the cache evict everything it holds."""
+    import json
+
+    root, a, b = two_sets
+    cache = tmp_path / "cache"
+    want = _keys(a, cache, 10**9)  # the index is built and holds a's shards
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    for name in ("data.txt", ".complete", ".whole", "sub/b.txt"):
+        (victim / name).write_text("precious")
+        os.utime(victim / name, (1e9, 1e9))
+    vdir = next(p.parent for p in cache.rglob(".packio-cache"))
+    (vdir.parent / "planted").symlink_to(victim)  # a link inside the cache, to the outside folder
+    big = 10**12
+    lines = [["+", f"{vdir.relative_to(cache).as_posix()}/../../../../../../victim/data.txt", big, False],
+             ["+", "../victim", big, True], ["+", str(victim / "data.txt"), big, False],
+             ["+", f"{(vdir.parent / 'planted').relative_to(cache).as_posix()}", big, True],
+             ["+", f"{(vdir.parent / 'planted').relative_to(cache).as_posix()}/data.txt", big, False]]
+    with open(cache / ".packio-index", "a") as f:
+        f.write("".join("\n" + json.dumps(line) for line in lines) + "\n")
+    cached = {p for p in cache.rglob("shard-*.tar")}
+    assert _keys(b, cache, 10**9) == want  # a download with a limit: an eviction check reads the journal
+    assert sorted(p.relative_to(victim).as_posix() for p in victim.rglob("*") if p.is_file()) == \
+        [".complete", ".whole", "data.txt", "sub/b.txt"]
+    assert cached <= {p for p in cache.rglob("shard-*.tar")}  # nothing of a's evicted for the planted sizes

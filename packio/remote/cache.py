@@ -328,7 +328,7 @@ class Cache:
         index = self.index
         units = []
         for rel, (size, whole) in list(index.entries.items()):
-            used = _last_use(self.root / rel, whole)
+            used = _last_use(self.root / rel, whole) if _within(self.root, self.root / rel) else None
             if used is None:
                 index.drop(rel)  # gone (evicted by a crashed pass, removed by hand, a failed download)
             else:
@@ -343,8 +343,8 @@ class Cache:
     def _remove_unit(self, path: Path, whole: bool) -> bool:
         """Delete one entry unless some process has it pinned; False when in use."""
         vdir = path if whole else _vdir_of(path, self.root)
-        if vdir is None:
-            return False
+        if vdir is None or not _within(self.root, path):
+            return False  # never delete what lies outside the cache (a link, or an edited journal)
         lockfile = self._lockfile(vdir, DATASET if whole else path.relative_to(vdir).as_posix(), "pin")
         try:
             lockfile.parent.mkdir(parents=True, exist_ok=True)
@@ -406,10 +406,11 @@ class Index:
             rec = json.loads(line)
         except ValueError:
             return  # a torn line (a crash mid-append): the walk at the next rebuild knows better
-        if isinstance(rec, list) and len(rec) == 4 and rec[0] == "+" and isinstance(rec[1], str) \
-                and isinstance(rec[2], int) and rec[2] >= 0:
+        if not (isinstance(rec, list) and len(rec) in (2, 4) and isinstance(rec[1], str) and _inside(rec[1])):
+            return  # not ours, or naming something outside the cache: never trusted
+        if len(rec) == 4 and rec[0] == "+" and isinstance(rec[2], int) and 0 <= rec[2] < 1 << 50:
             self._set(rec[1], (rec[2], bool(rec[3])))
-        elif isinstance(rec, list) and len(rec) == 2 and rec[0] == "-" and isinstance(rec[1], str):
+        elif len(rec) == 2 and rec[0] == "-":
             self._set(rec[1], None)
 
     def refresh(self) -> bool:
@@ -516,6 +517,17 @@ def _last_use(path: Path, whole: bool) -> float | None:
         if stat.S_ISREG(st.st_mode):
             return st.st_mtime
     return None
+
+
+def _inside(rel: str) -> bool:
+    """A journal entry names a path below the cache root: relative, no ``.``/``..``/empty parts."""
+    return bool(rel) and "\0" not in rel and all(p not in ("", ".", "..") for p in rel.split("/"))
+
+
+def _within(root: Path, path: Path) -> bool:
+    """``path``, links resolved, lies below ``root`` (resolved too)."""
+    real = os.path.realpath(root)
+    return os.path.commonpath([real, os.path.realpath(path)]) == real
 
 
 def _vdir_of(path: Path, root: Path) -> Path | None:
