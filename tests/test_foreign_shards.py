@@ -245,3 +245,16 @@ def test_oversize_members_of_a_strangers_shard(tmp_path):
         f.truncate(512 + info.size + 1024 + (-info.size % 512))
     with pytest.raises(FormatError, match=r"huge\.png.*over packio's limit of 1073741824 for one image"):
         packio.open_dataset(big)
+
+
+def test_a_local_pattern_does_not_follow_a_link_out_of_its_folder(tmp_path):
+    """Attack review: a shard of a local pattern that is a symlink to a tar elsewhere was
+    read (the folder form refused it); both forms refuse now, naming the link."""
+    _write(tmp_path / "out")
+    (tmp_path / "wds").mkdir()
+    for s in range(SHARDS - 1):
+        (tmp_path / "out" / f"shard-{s:06d}.tar").rename(tmp_path / "wds" / f"shard-{s:06d}.tar")
+    (tmp_path / "wds" / f"shard-{SHARDS - 1:06d}.tar").symlink_to(tmp_path / "out" / f"shard-{SHARDS - 1:06d}.tar")
+    for path in (tmp_path / "wds", str(tmp_path / "wds" / PATTERN)):
+        with pytest.raises(FormatError, match="leads outside"):
+            packio.open_dataset(path)

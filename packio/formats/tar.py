@@ -424,7 +424,7 @@ class TarReader(Reader):
             shards = [inside(p, s.name) for s in sorted(p.glob("*.tar"))]
         elif "{" in path:
             prefix, names = expand_pattern(path)
-            shards = [Path(prefix + name) for name in names]
+            shards = [inside(Path(prefix or "."), name) for name in names]  # a link may not lead out either
         else:
             shards = [p]
         missing = [s for s in shards if not s.is_file()]
