@@ -258,3 +258,19 @@ def test_a_local_pattern_does_not_follow_a_link_out_of_its_folder(tmp_path):
     for path in (tmp_path / "wds", str(tmp_path / "wds" / PATTERN)):
         with pytest.raises(FormatError, match="leads outside"):
             packio.open_dataset(path)
+
+
+def test_a_strangers_json_gives_label_and_boxes_only(tmp_path):
+    """Attack review: a foreign .json's "key" renamed the sample (webdataset keeps the
+    member name), its "checksum" made every conversion fail as corrupt, and a label of
+    10**11 was taken (a .cls of that size is refused)."""
+    (tmp_path / "wds").mkdir()
+    metas = [{"key": "other"}, {"checksum": "deadbeef"}, {"label": 10**11}, {"label": 2}]
+    with wds.TarWriter(str(tmp_path / "wds" / "shard-000000.tar")) as sink:
+        for i, meta in enumerate(metas):
+            sink.write({"__key__": f"k{i}", "png": _png(8, 8, i), "json": meta})
+    ds = packio.open_dataset(tmp_path / "wds")
+    assert [ds[i]["key"] for i in range(4)] == ["k0", "k1", "k2", "k3"]
+    assert [ds[i]["label"] for i in range(4)] == [-1, -1, -1, 2]
+    packio.convert(tmp_path / "wds", tmp_path / "o.lmdb", progress=False)
+    assert len(packio.open_dataset(tmp_path / "o.lmdb")) == 4

@@ -334,14 +334,17 @@ def _brace(names: list[str]) -> str | None:
 
 
 def _fitting(extra: Any) -> dict[str, Any]:
-    """The fields of another tool's ``.json`` that fit packio's record (an int label,
-    boxes — with their box labels, or -1 each when it has none —, sizes, key); the
-    rest (a text label, captions, ...) is ignored."""
+    """The fields of another tool's ``.json`` that fit packio's record (an int label
+    below ``limits.MAX_CLASSES``, boxes — with their box labels, or -1 each when it has
+    none —, sizes); the rest (a text label, captions, ...) is ignored. Never the key or
+    a checksum: the member names give the key (as webdataset's), and a stranger's
+    checksum field is not packio's."""
     if not isinstance(extra, dict):
         return {}
     whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    fit = {k: extra[k] for k in ("label", "width", "height") if whole(extra.get(k))}
-    fit.update({k: extra[k] for k in ("key", "checksum") if isinstance(extra.get(k), str)})
+    fit = {k: extra[k] for k in ("width", "height") if whole(extra.get(k))}
+    if whole(extra.get("label")) and 0 <= extra["label"] < limits.MAX_CLASSES:
+        fit["label"] = extra["label"]
     boxes, box_labels = extra.get("boxes"), extra.get("box_labels")
     if isinstance(boxes, list):
         if not (isinstance(box_labels, list) and len(box_labels) == len(boxes)):
