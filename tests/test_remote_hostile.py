@@ -580,3 +580,15 @@ def test_dataset_classes_given_a_url_point_to_open_dataset():
         assert secret not in str(e.value) and "127.0.0.1:9/ds.wds" in str(e.value)
     with pytest.raises(FormatError, match="pass URLs as strings"):
         packio.PackedDataset(Path("s3://bucket/ds.wds"))
+
+
+def test_convert_from_a_server_ignoring_range_stops_with_the_cause(served, tmp_path):
+    """Attack review: converting a packed .wds from a server that ignores Range counted
+    every sample as "corrupt sample in the source dataset" (a shard downloaded per sample)
+    and failed with "none of its inputs could be packed". A remote error is not a bad
+    sample: the conversion stops with it, and nothing is written."""
+    server, url = served
+    server.mode = "norange"
+    with pytest.raises(RangeNotSupportedError, match="byte ranges"):
+        packio.convert(url, tmp_path / "o.lmdb", progress=False)
+    assert not (tmp_path / "o.lmdb").exists()

@@ -15,7 +15,7 @@ import numpy as np
 from packio import decode as dec
 from packio import geometry as geo
 from packio import limits
-from packio.errors import DatasetReplacedError, PackioError
+from packio.errors import DatasetReplacedError, PackioError, RemoteError
 from packio.formats.base import Reader
 from packio.sample import Sample, checksum, unstorable
 from packio.sources import SourceItem, boxes_to_stored_frame, read_image_file
@@ -167,8 +167,8 @@ def prepare_packed(prep: Prep, index: int) -> Result:
     assert prep.reader is not None
     try:
         s = prep.reader.read(index)
-    except DatasetReplacedError:
-        raise  # not one bad sample: the whole source changed under us, so the conversion stops, nothing committed
+    except (DatasetReplacedError, RemoteError):
+        raise  # not one bad sample: the source changed or cannot be read, so the conversion stops, nothing committed
     except PackioError as exc:
         return Skipped("corrupt sample in the source dataset", f"#{index} ({exc})")
     if s.checksum and checksum(s.payload) != s.checksum:  # never launder damage into a fresh checksum
