@@ -192,7 +192,9 @@ for name, path in (("local", "/nonexistent/shard-{000000000..999999999}.tar"),
     for name in ("local", "url", "product"):
         assert name in results, f"{name}: no result (last started {started}; {note})"
         assert results[name]["got"].startswith("FormatError") and "more than 100000 shards" in results[name]["got"]
-        assert results[name]["s"] < 2
+        # Loose on purpose (a loaded machine took 2.6 s for the first, importing): expanding
+        # 10^9 names takes minutes or ends in MemoryError under the limit, which the line above fails.
+        assert results[name]["s"] < 30
 
 
 def _tar(path: Path, members: list[tuple[str, bytes]]) -> None:
@@ -274,3 +276,23 @@ def test_a_strangers_json_gives_label_and_boxes_only(tmp_path):
     assert [ds[i]["label"] for i in range(4)] == [-1, -1, -1, 2]
     packio.convert(tmp_path / "wds", tmp_path / "o.lmdb", progress=False)
     assert len(packio.open_dataset(tmp_path / "o.lmdb")) == 4
+
+
+def test_a_huge_pax_header_is_refused_unread(tmp_path):
+    """Attack review: tarfile reads a PAX header whole, as large as it claims (a 50 MB
+    header cost ~150 MB at open); over packio's record limit it is refused. Ordinary
+    PAX headers (long names) still read."""
+    import tarfile
+
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "big").mkdir()
+    png = _png(8, 8, 1)
+    long_key = "k" * 150  # a long name: a PAX header of its own
+    for folder, pax in (("ok", {}), ("big", {"comment": "x" * (17 << 20)})):
+        with tarfile.open(tmp_path / folder / "shard-000000.tar", "w", format=tarfile.PAX_FORMAT) as tf:
+            info = tarfile.TarInfo(f"{long_key}.png")
+            info.size, info.pax_headers = len(png), pax
+            tf.addfile(info, io.BytesIO(png))
+    assert packio.open_dataset(tmp_path / "ok")[0]["key"] == long_key
+    with pytest.raises(FormatError, match="tar header of"):
+        packio.open_dataset(tmp_path / "big")

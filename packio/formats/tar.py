@@ -149,13 +149,31 @@ def _label(tf: tarfile.TarFile, m: tarfile.TarInfo, shard: Path) -> int:
     return label
 
 
+class _HeaderCap:
+    """A shard file for ``tarfile``'s scan whose single reads are capped: ``tarfile`` reads
+    a PAX or GNU long-name header whole, as large as the header claims (member data is
+    skipped by seeking), so a stranger's 1 GB "header" is refused instead of read."""
+
+    def __init__(self, raw: Any, shard: Path) -> None:
+        self.raw, self.shard = raw, shard
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0 or n > MAX_RECORD_BYTES:
+            raise FormatError(f"{self.shard}: a tar header of {n} bytes, over packio's limit of {MAX_RECORD_BYTES} "
+                              f"(a PAX or GNU long-name header); not a shard packio reads")
+        return self.raw.read(n)
+
+    def __getattr__(self, name: str) -> Any:  # seek, tell, name, mode: the file's own
+        return getattr(self.raw, name)
+
+
 def scan_shard(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[str], list[int]]:
     """Index one shard: rows (shard, img off, img size, json off, json size), keys, labels."""
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     order: list[str] = []
     try:
         fd = limits.open_regular(shard)
-        with os.fdopen(fd, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tf:
+        with os.fdopen(fd, "rb") as raw, tarfile.open(fileobj=_HeaderCap(raw, shard), mode="r:") as tf:
             size = os.fstat(fd).st_size
             for m in tf:
                 _check_member(m, shard)
