@@ -592,3 +592,15 @@ def test_convert_from_a_server_ignoring_range_stops_with_the_cause(served, tmp_p
     with pytest.raises(RangeNotSupportedError, match="byte ranges"):
         packio.convert(url, tmp_path / "o.lmdb", progress=False)
     assert not (tmp_path / "o.lmdb").exists()
+
+
+def test_convert_from_a_url_records_the_url_without_credentials(served, tmp_path, capsys):
+    """Attack review: the history and source entry recorded a URL source as "http:/host/…"
+    (a Path of the URL). Both keep the URL as given, less its credentials."""
+    server, url = served
+    secret = "hunter2-in-the-url"
+    summary = packio.convert(url.replace("http://", f"http://user:{secret}@"), tmp_path / "o.lmdb", progress=False)
+    text = (tmp_path / "o.lmdb" / "packio.json").read_text()
+    m = json.loads(text)
+    assert m["source"]["path"] == url and m["image"]["history"][-1]["source"] == url
+    assert secret not in text and secret not in summary.text()

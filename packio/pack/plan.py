@@ -39,7 +39,7 @@ class Source:
     """What a conversion packs: its inputs (image files, or a packed dataset's indices) and
     what the listing found on the way."""
 
-    path: Path
+    path: Path | str  # a URL source stays a string
     kind: str  # for the history: "image folder" or "lmdb dataset", ...
     tasks: list[Any]
     classes: list[str]
@@ -89,7 +89,8 @@ def open_source(src: Path | Reader, packed: bool, csv: str | Path | None, column
     """The inputs of ``src``: a packed dataset's samples, or an image folder's listing."""
     if packed:
         reader = src if isinstance(src, Reader) else open_reader(src)
-        src = Path(str(src))
+        # str, not Path: Path folds a URL's "//"; a remote reader's str never holds credentials
+        src = str(src)
         m = reader.manifest
         source = Source(src, f"{m.format} dataset", list(range(len(reader))), list(m.classes), m.box_classes,
                         {"path": str(src), "packed_format": m.format}, history_of(m), reader, _declared_shape(m))
