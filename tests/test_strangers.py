@@ -340,3 +340,18 @@ def test_paths_over_path_max_are_each_counted(tmp_path):
     s = packio.convert(src, tmp_path / "d.lmdb", progress=False)
     too_long = sum(n for reason, n in s.skipped.items() if "path longer" in reason)
     assert s.packed == 20 and too_long == 10, s.text()
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "x" * 300 + ".lmdb", "x" * 300 + "-{0..3}.tar", "x" * 300 + "/y.h5"])
+def test_a_name_over_the_file_name_limit_is_a_packio_error(tmp_path, name, capsys):
+    """Attack review: a path whose part is longer than the file-name limit (255 bytes)
+    raised a raw OSError (ENAMETOOLONG) from open, convert and the CLI."""
+    path = str(tmp_path / name)
+    with pytest.raises(packio.PackioError, match="cannot be"):
+        packio.open_dataset(path)
+    with pytest.raises(packio.PackioError, match="cannot be"):
+        packio.convert(path, tmp_path / "out.lmdb", progress=False)
+    from packio.cli import main
+
+    assert main(["info", path]) != 0
+    assert "Traceback" not in capsys.readouterr().err

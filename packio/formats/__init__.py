@@ -94,7 +94,13 @@ def open_reader(path: str | Path | Reader) -> Reader:
         return path
     if isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", path):
         raise FormatError(f"{redact(path)}: a URL; open it with packio.open_dataset(url) or packio.open_reader(url)")
-    p = Path(path)
+    try:
+        return _open_local(Path(path), path)
+    except OSError as exc:  # a name too long, a folder without permission: said as a packio error
+        raise FormatError(f"{redact(str(path))}: cannot be opened ({exc.strerror or exc})") from exc
+
+
+def _open_local(p: Path, path: str | Path) -> Reader:
     if p.is_dir() and (p / MANIFEST_NAME).is_file():
         manifest = Reader.read_manifest(p)
         spec = get_format(manifest.format)

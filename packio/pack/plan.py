@@ -69,7 +69,10 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
     if encode not in ("keep", spec.payload) and spec.payload != "encoded":
         raise PackioError(f"the {spec.name} format stores {'BMP' if spec.payload == 'bmp' else 'decoded uint8 pixels'}"
                           f" only; drop --encode {encode} (or choose another output format)")
-    packed_src = given is not None or src.is_file() or is_packed(src)
+    try:
+        packed_src = given is not None or src.is_file() or is_packed(src)
+    except OSError as exc:  # a name too long, a folder without permission
+        raise SourceError(f"{src}: cannot be read ({exc.strerror or exc})") from exc
     if packed_src and (csv or columns):
         raise SourceError(f"{src} is a packed dataset: its annotations are already stored, and a CSV "
                           f"(--csv / --csv-columns) applies only to an image folder; drop the CSV, or "
