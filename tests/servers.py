@@ -247,6 +247,10 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
         self.send_header("Content-Length", str(end - start + 1))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        if self.server.validators:  # type: ignore[attr-defined]
+            st = path.stat()  # as nginx: modification time and size
+            self.send_header("ETag", f'"{st.st_mtime_ns:x}-{st.st_size:x}"')
+            self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
         self.end_headers()
         if body:
             with open(path, "rb") as f:
@@ -263,12 +267,13 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
 class RangeHTTPServer:
     """Serves ``root`` on 127.0.0.1 (a free port) from a background thread."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, validators: bool = True) -> None:
         self.root = Path(root)
         handler = lambda *a, **k: _RangeHandler(*a, directory=str(root), **k)  # noqa: E731
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.httpd.counts = {}  # type: ignore[attr-defined]
+        self.httpd.validators = validators  # type: ignore[attr-defined]  # ETag / Last-Modified sent
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="packio-http", daemon=True)
 

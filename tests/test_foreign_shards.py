@@ -17,6 +17,7 @@ from PIL import Image
 
 import packio
 from conftest import photo, run_child_cases
+from servers import RangeHTTPServer
 from packio.cli import main
 from packio.errors import FormatError, PackioError
 
@@ -296,3 +297,32 @@ def test_a_huge_pax_header_is_refused_unread(tmp_path):
     assert packio.open_dataset(tmp_path / "ok")[0]["key"] == long_key
     with pytest.raises(FormatError, match="tar header of"):
         packio.open_dataset(tmp_path / "big")
+
+
+def _one_shard(path: Path, label: int) -> None:
+    with wds.TarWriter(str(path)) as sink:
+        sink.write({"__key__": "only", "png": _png(8, 8, 1), "cls": label})
+
+
+@pytest.mark.parametrize("validators", [True, False])
+def test_a_shard_replaced_with_one_of_the_same_size_is_not_served_stale(tmp_path, validators):
+    """A server that sends neither ETag nor Last-Modified made a shard replaced by one of
+    the same size look unchanged: the next open served the old shard from the cache. Now
+    such shards are fetched at every open; with validators the cache is still used."""
+    server = RangeHTTPServer(tmp_path / "root", validators=validators)
+    (tmp_path / "root").mkdir()
+    shard = tmp_path / "root" / "s-0.tar"
+    url, cache = f"{server.url}/s-{{0..0}}.tar", tmp_path / "cache"
+    server.start()
+    try:
+        _one_shard(shard, 1)
+        assert packio.open_dataset(url, cache_dir=cache)[0]["label"] == 1
+        assert packio.open_dataset(url, cache_dir=cache)[0]["label"] == 1
+        assert server.counts["/s-0.tar"] == (1 if validators else 2)
+        size = shard.stat().st_size
+        _one_shard(shard, 3)
+        assert shard.stat().st_size == size  # same size: only the content (and the mtime) tell them apart
+        ds = packio.open_dataset(url, cache_dir=cache)
+        assert ds[0]["label"] == 3 and ds.classes == ["0", "1", "2", "3"]
+    finally:
+        server.stop()

@@ -248,8 +248,9 @@ class Cache:
                 part.unlink(missing_ok=True)
             log.warning("packio: %s: checksum mismatch (%s)%s", store.url_of(rel), problem,
                         "; downloading it again" if attempt == 0 else "")
-        raise RemoteError(f"{store.url_of(rel)}: checksum mismatch ({problem}): the object is corrupt or was "
-                          f"replaced after its manifest was written; re-upload the dataset "
+        raise RemoteError(f"{store.url_of(rel)}: checksum mismatch ({problem}): the object is corrupt, or was "
+                          f"replaced after its manifest was written (or, for shards without one, after the "
+                          f"dataset was opened): open the dataset again; if it persists, re-upload it "
                           f"(packio convert SRC URL --overwrite)")
 
     # -- eviction ----------------------------------------------------------------------------

@@ -5,7 +5,9 @@ A foreign shard says nothing of what it holds until it is read, and an exact res
 (and an even split over ranks) needs every shard's sample count. So at open every
 shard is downloaded once into the cache (a HEAD first gives its size, which bounds the
 download, and its ETag / modification time, which name the cache version), scanned
-for its members as local foreign shards are, and digested. Reading then goes through
+for its members as local foreign shards are, and digested. A server that gives neither
+ETag nor modification time has every shard fetched again at each open: packio cannot
+tell a replaced shard of the same size from an unchanged one. Reading then goes through
 :class:`~packio.remote.reader.RemoteTarReader` (whole shards, prefetched, pinned while
 in use); a shard evicted and fetched again must match the digest taken at open.
 """
@@ -13,6 +15,7 @@ in use); a shard evicted and fetched again must match the digest taken at open.
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,7 +90,10 @@ def open_foreign(pattern: str, *, cache_dir: str | Path | None = None, cache_lim
     store = Store(base, storage_options, retry)
     with ThreadPoolExecutor(min(_THREADS, len(names)), thread_name_prefix="packio-fetch") as pool:
         ids = list(pool.map(lambda n: _identity(store, n), names))
-        version = xxhash.xxh3_128_hexdigest(json.dumps([names, ids]).encode())[:16]
+        # Without an ETag or modification time a shard replaced by one of the same size looks
+        # unchanged: such shards are fetched afresh at every open, never served from an older one.
+        fresh = "" if all(ident for _, ident in ids) else os.urandom(8).hex()
+        version = xxhash.xxh3_128_hexdigest(json.dumps([names, ids, fresh]).encode())[:16]
         vdir = cache.version_dir(redact(pattern), version)
         scans = list(pool.map(lambda k: _scan(store, cache, vdir, names[k], k, ids[k][0]), range(len(names))))
     index, foreign, classes = gather([s for s, _ in scans])
