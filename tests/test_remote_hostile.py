@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import sealed
+from servers import RangeHTTPServer
 
 import packio
 from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError,
@@ -604,3 +605,32 @@ def test_convert_from_a_url_records_the_url_without_credentials(served, tmp_path
     m = json.loads(text)
     assert m["source"]["path"] == url and m["image"]["history"][-1]["source"] == url
     assert secret not in text and secret not in summary.text()
+
+
+def test_a_whole_file_dataset_replaced_at_the_same_size_is_not_served_stale(tmp_path):
+    """A server without ETag / Last-Modified: an .h5 replaced by one of the same size (labels
+    swapped) looked unchanged, and the next open served the old file from the cache."""
+    import cv2
+    import numpy as np
+
+    (tmp_path / "img").mkdir()
+    for i in range(4):
+        cv2.imwrite(str(tmp_path / "img" / f"{i}.jpg"), np.full((16, 16, 3), i * 40, np.uint8))
+    for name, labels in (("a.h5", "cat dog cat dog"), ("b.h5", "dog cat dog cat")):
+        (tmp_path / "l.csv").write_text("filename,label\n" + "".join(
+            f"{i}.jpg,{lab}\n" for i, lab in enumerate(labels.split())))
+        packio.convert(tmp_path / "img", tmp_path / name, csv=tmp_path / "l.csv", progress=False)
+    assert (tmp_path / "a.h5").stat().st_size == (tmp_path / "b.h5").stat().st_size
+    (tmp_path / "srv").mkdir()
+    shutil.copy(tmp_path / "a.h5", tmp_path / "srv" / "d.h5")
+    server = RangeHTTPServer(tmp_path / "srv", validators=False).start()
+    try:
+        def names() -> list[str]:
+            ds = packio.open_dataset(f"{server.url}/d.h5", cache_dir=tmp_path / "c", **FAST)
+            return [ds.classes[ds[i]["label"]] for i in range(len(ds))]
+
+        assert names() == "cat dog cat dog".split()
+        shutil.copy(tmp_path / "b.h5", tmp_path / "srv" / "d.h5")
+        assert names() == "dog cat dog cat".split()
+    finally:
+        server.stop()
