@@ -6,7 +6,8 @@ import argparse
 import json
 import re
 import sys
-from typing import Callable, NoReturn, Sequence
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
 
 MAX_SIDE = 16384  # pixels: the largest --size / --short-side / --crop side accepted
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -107,29 +108,37 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_info(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from packio.pack.report import describe_history, describe_output
-    from packio.formats import open_reader
+def _manifest_and_bytes(path: str) -> tuple[Any, int]:
+    """The manifest of the dataset at ``path`` and the bytes it holds. A packed dataset at a
+    URL: its manifest only, nothing else is downloaded. Shards another tool wrote have no
+    manifest: they are read (at a URL: once, into the cache) to count their samples."""
     from packio.manifest import disk_bytes
-    from packio.urls import is_url
+    from packio.remote import is_foreign
+    from packio.urls import is_url, open_reader
 
-    if is_url(a.path):  # the manifest only: nothing else is downloaded
+    if is_url(path) and not is_foreign(path):
         from packio.remote.reader import read_manifest
         from packio.remote.store import Store
 
-        m = read_manifest(Store(a.path))[1]
-    else:
-        m = open_reader(a.path).manifest
+        m = read_manifest(Store(path))[1]
+        return m, sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict))
+    reader = open_reader(path)
+    if is_url(path):  # foreign shards at a URL: the sizes the server gave
+        return reader.manifest, sum(size for size, _ in reader.files.values())
+    if reader.manifest.source.get("foreign"):  # a pattern or a folder of shards: only the shards count
+        return reader.manifest, sum(s.stat().st_size for s in reader.shards)
+    return reader.manifest, disk_bytes(Path(path))
+
+
+def _cmd_info(a: argparse.Namespace) -> int:
+    from packio.pack.report import describe_history, describe_output
+    from packio.urls import is_url
+
+    m, size = _manifest_and_bytes(a.path)
     if a.json:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
     p = Path(a.path)
-    if is_url(a.path):  # what the manifest lists; nothing is downloaded to count it
-        size = sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict))
-    else:
-        size = disk_bytes(p)
     print(f"path:     {a.path}")
     print(f"format:   {m.format} (layout version {m.version})")
     print(f"samples:  {m.count}")
@@ -139,7 +148,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         bc = m.box_classes
         print(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
     for line in describe_output(p, m):  # a URL: Path() merged its '//'
-        print(line.replace(str(p), a.path) if is_url(a.path) else line)
+        print(line.replace(str(p.parent), a.path.rsplit("/", 1)[0]) if is_url(a.path) else line)
     shape = m.image.get("shape")
     print(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
     print(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))

@@ -10,7 +10,8 @@ from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.formats import open_reader
 from packio.formats.base import Reader, inside
 from packio.manifest import DIGEST, MANIFEST_NAME, file_digest, trust_manifest
-from packio.sample import checksum
+from packio.decode import check_decode
+from packio.sample import Sample, checksum
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -22,6 +23,7 @@ class VerifyReport:
     checked: int = 0
     bad_files: list[str] = field(default_factory=list)  # "relpath: reason"
     bad_samples: list[str] = field(default_factory=list)  # "#index key: reason"
+    foreign: bool = False  # shards another tool wrote: no checksums, so every image is decoded instead
 
     @property
     def ok(self) -> bool:
@@ -30,7 +32,9 @@ class VerifyReport:
     def text(self) -> str:
         head = (f"{self.path}: {'OK' if self.ok else 'DAMAGED'} — {self.checked}/{self.count} samples checked, "
                 f"{len(self.bad_samples)} damaged, {len(self.bad_files)} files differ from the manifest")
-        return "\n".join([head, *(f"  file {b}" for b in self.bad_files),
+        note = ["  (shards written by another tool carry no checksums: every image was decoded instead)"
+                if self.foreign else ""]
+        return "\n".join([head, *filter(None, note), *(f"  file {b}" for b in self.bad_files),
                           *(f"  sample {b}" for b in self.bad_samples)])
 
 
@@ -76,7 +80,7 @@ def verify(path: str | Path | Reader, damaged: dict[str, str] | None = None) -> 
 
 def _verify(path: str | Path | Reader, damaged: dict[str, str]) -> VerifyReport:
     reader = open_reader(path)
-    report = VerifyReport(path=str(path), count=len(reader))
+    report = VerifyReport(path=str(path), count=len(reader), foreign=bool(reader.manifest.source.get("foreign")))
     try:
         _check_files(reader, report.bad_files, damaged)
         report.bad_files += reader.check_stored()  # what the format keeps beyond the listed files
@@ -92,9 +96,18 @@ def _verify(path: str | Path | Reader, damaged: dict[str, str]) -> VerifyReport:
             report.bad_samples.append(f"#{i}: {_why(exc)}")
             continue
         report.checked += 1
-        if not s.checksum:
+        if report.foreign:
+            _check_image(s, i, report.bad_samples)
+        elif not s.checksum:
             report.bad_samples.append(f"#{i} {s.key}: no checksum stored")
         elif checksum(s.payload) != s.checksum:
             report.bad_samples.append(f"#{i} {s.key}: checksum mismatch")
     reader.close()
     return report
+
+
+def _check_image(s: Sample, i: int, out: list[str]) -> None:
+    try:
+        check_decode(s.payload)
+    except Exception as exc:  # noqa: BLE001 - a stranger's image: any decoder error is damage
+        out.append(f"#{i} {s.key}: the image does not decode ({_why(exc)})")

@@ -326,3 +326,21 @@ def test_a_shard_replaced_with_one_of_the_same_size_is_not_served_stale(tmp_path
         assert ds[0]["label"] == 3 and ds.classes == ["0", "1", "2", "3"]
     finally:
         server.stop()
+
+
+def test_info_and_verify_of_foreign_shards(served, tmp_path, capsys):
+    """`packio info` of a pattern URL said "no packio.json there"; `verify` called every
+    foreign sample damaged ("no checksum stored"). Now info reads the shards (once, into
+    the cache) and verify decodes every image, since a stranger's shard has no checksums."""
+    server, url, keys, cache = served
+    assert main(["info", url]) == 0
+    out = capsys.readouterr().out
+    assert f"samples:  {SHARDS * PER}" in out and f"shards:   {SHARDS} × ~{PER} samples: {url}\n" in out
+    assert main(["verify", url]) == 0 and "every image was decoded" in capsys.readouterr().out
+    (tmp_path / "bad").mkdir()
+    with wds.TarWriter(str(tmp_path / "bad" / "shard-0.tar")) as sink:
+        sink.write({"__key__": "good", "png": _png(8, 8, 1), "cls": 1})
+        sink.write({"__key__": "broken", "png": _png(8, 8, 2)[:40], "cls": 2})
+    assert main(["verify", str(tmp_path / "bad")]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "#1 broken: the image does not decode" in out and "good" not in out
