@@ -159,7 +159,7 @@ class Decoder:
         """A fixed-shape raw format's pixel block and columns, as they are (fresh arrays)."""
         return Batch(torch.from_numpy(stored.pixels).permute(0, 3, 1, 2), torch.from_numpy(stored.labels),
                      torch.from_numpy(stored.boxes), torch.from_numpy(stored.box_labels),
-                     stored.counts.tolist(), list(stored.keys), torch.tensor(stored.index, dtype=torch.int64))
+                     stored.counts.tolist(), list(stored.keys), torch.from_numpy(stored.index.astype(np.int64)))
 
     def samples(self, idx: np.ndarray, sample: Callable[[int], Sample | PackioError], pool: "DecodeThreads",
                 errors: ErrorPolicy) -> Batch:
