@@ -21,7 +21,7 @@ import torch
 
 from packio import decode as dec
 from packio import geometry as geo
-from packio.collation import Batch, stack_images
+from packio.collation import Batch, batch_buffer, stack_images
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
 from packio.formats.base import Reader, StoredBatch
@@ -159,7 +159,7 @@ class Decoder:
         """A fixed-shape raw format's pixel block and columns, as they are (fresh arrays)."""
         return Batch(torch.from_numpy(stored.pixels).permute(0, 3, 1, 2), torch.from_numpy(stored.labels),
                      torch.from_numpy(stored.boxes), torch.from_numpy(stored.box_labels),
-                     stored.counts.tolist(), list(stored.keys), torch.tensor(stored.index, dtype=torch.int64))
+                     stored.counts.tolist(), list(stored.keys), torch.from_numpy(stored.index.astype(np.int64)))
 
     def samples(self, idx: np.ndarray, sample: Callable[[int], Sample | PackioError], pool: "DecodeThreads",
                 errors: ErrorPolicy) -> Batch:
@@ -167,7 +167,7 @@ class Decoder:
         fresh ``[B, H, W, 3]`` buffer when every output has one shape."""
         n = len(idx)
         fixed = self.decode and self.size is not None and self.transform is None
-        buf = torch.empty((n, *self.size, 3), dtype=torch.uint8) if fixed else None  # type: ignore[misc]
+        buf = batch_buffer((n, *self.size, 3)) if fixed else None  # type: ignore[misc]
         rows = buf.numpy() if buf is not None else None
 
         def one(j: int) -> tuple[Sample, Any, np.ndarray] | PackioError:

@@ -112,8 +112,12 @@ def test_tar_stream_batches_are_one_decoded_buffer(gen_folder, tmp_path, monkeyp
     ref = {i: ref_ds[i] for i in range(len(ref_ds))}
     ds = packio.open_dataset(tmp_path / "d.wds", iterable=True, shuffle=True, seed=2, resize=(24, 32))
 
-    def no_stack(*_: object, **__: object) -> None:
-        raise AssertionError("collate stacked a batch")
+    real_stack = torch.stack
+
+    def no_stack(tensors: list, *args: object, **kwargs: object) -> torch.Tensor:
+        if len(tensors) > 1:
+            raise AssertionError("collate stacked a batch")
+        return real_stack(tensors, *args, **kwargs)  # a worker's fresh buffer: one zero, broadcast, into shared memory
 
     monkeypatch.setattr(torch, "stack", no_stack)  # inherited by the forked workers
     kw = {"multiprocessing_context": "fork"} if workers else {}

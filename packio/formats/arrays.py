@@ -130,7 +130,7 @@ class ArrayReader(Reader):
             self._check_root()  # loaded later than the images: from the same dataset?
             if isinstance(keys, np.memmap):
                 self._h_guard.add(inside(self.path, "keys.npy"), keys.offset + keys.nbytes)
-            self._h_meta = (Columns.checked(arrays, n, str(self.path)), keys)
+            self._h_meta = (Columns.checked(arrays, n, str(self.path)), np.asarray(keys))  # a plain view: no memmap per batch
         return self._h_meta
 
     def _drop_handles(self) -> None:

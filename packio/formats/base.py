@@ -310,7 +310,7 @@ class Reader(ABC):
         """:meth:`check_index` for a batch at once: int64[B], negatives wrapped."""
         idx = np.asarray(indices)
         if (idx.ndim != 1 or (len(idx) and (idx.dtype.kind not in "iu"))
-                or (not isinstance(indices, np.ndarray) and any(isinstance(i, bool) for i in indices))):
+                or (not isinstance(indices, np.ndarray) and bool in set(map(type, indices)))):  # one C loop
             return np.asarray([self.check_index(i) for i in indices], np.int64)  # its TypeError names the culprit
         idx = idx.astype(np.int64, copy=False)
         n = len(self)
