@@ -143,6 +143,22 @@ class Cache:
                               f"cache_dir= or set PACKIO_CACHE_DIR to a writable folder") from None
         return vdir
 
+    def content_identity(self, store: Store, rel: str, size: int | None) -> str:
+        """The digest of the object at ``rel`` (downloaded, at most ``size`` bytes, then
+        removed). It names the object's cache version when the server gives neither ETag
+        nor modification time: an unchanged object keeps its version, a replaced one (even
+        of the same size) gets a new one, and nothing piles up per open."""
+        tmp = self.root / f".identity-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            store.get(rel, tmp, size)
+            return "xxh3:" + file_digest(tmp)
+        except OSError as exc:
+            raise RemoteError(f"{self.root}: cannot write the download cache there ({exc.strerror}); pass "
+                              f"cache_dir= or set PACKIO_CACHE_DIR to a writable folder") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def _lockfile(self, vdir: Path, rel: str, kind: str) -> Path:
         return vdir / LOCKS / f"{rel}.{kind}"
 

@@ -6,8 +6,9 @@ A foreign shard says nothing of what it holds until it is read, and an exact res
 shard is downloaded once into the cache (a HEAD first gives its size, which bounds the
 download, and its ETag / modification time, which name the cache version), scanned
 for its members as local foreign shards are, and digested. A server that gives neither
-ETag nor modification time has every shard fetched again at each open: packio cannot
-tell a replaced shard of the same size from an unchanged one. Reading then goes through
+ETag nor modification time has every shard downloaded at each open to learn its digest,
+which then names the cache version (packio cannot otherwise tell a replaced shard of the
+same size from an unchanged one). Reading then goes through
 :class:`~packio.remote.reader.RemoteTarReader` (whole shards, prefetched, pinned while
 in use); a shard evicted and fetched again must match the digest taken at open.
 """
@@ -15,7 +16,6 @@ in use); a shard evicted and fetched again must match the digest taken at open.
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ def _split(pattern: str) -> tuple[str, list[str]]:
     return prefix.rstrip("/"), names
 
 
-def _identity(store: Store, name: str) -> tuple[int, list[str]]:
+def _identity(store: Store, cache: Cache, name: str) -> tuple[int, list[str]]:
     """A shard's size (it bounds the download) and what tells one upload of it from another."""
     info = store.info(name)
     size = info.get("size")
@@ -62,6 +62,8 @@ def _identity(store: Store, name: str) -> tuple[int, list[str]]:
                           f"to bound its download (serve it with a Content-Length)")
     ident = [str(info.get(k)) for k in ("ETag", "etag", "VersionId", "LastModified", "last_modified", "mtime")
              if info.get(k)]
+    if not ident:  # no validator: a same-size replacement would look unchanged; its content tells
+        ident = [cache.content_identity(store, name, size)]
     return size, ident
 
 
@@ -89,11 +91,8 @@ def open_foreign(pattern: str, *, cache_dir: str | Path | None = None, cache_lim
     base, names = _split(pattern)
     store = Store(base, storage_options, retry)
     with ThreadPoolExecutor(min(_THREADS, len(names)), thread_name_prefix="packio-fetch") as pool:
-        ids = list(pool.map(lambda n: _identity(store, n), names))
-        # Without an ETag or modification time a shard replaced by one of the same size looks
-        # unchanged: such shards are fetched afresh at every open, never served from an older one.
-        fresh = "" if all(ident for _, ident in ids) else os.urandom(8).hex()
-        version = xxhash.xxh3_128_hexdigest(json.dumps([names, ids, fresh]).encode())[:16]
+        ids = list(pool.map(lambda n: _identity(store, cache, n), names))
+        version = xxhash.xxh3_128_hexdigest(json.dumps([names, ids]).encode())[:16]
         vdir = cache.version_dir(redact(pattern), version)
         scans = list(pool.map(lambda k: _scan(store, cache, vdir, names[k], k, ids[k][0]), range(len(names))))
     index, foreign, classes = gather([s for s, _ in scans])

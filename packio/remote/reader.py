@@ -127,7 +127,8 @@ def _pin(vdir: Path, pin: Pin) -> None:
 def _open_single(store: Store, name: str, cache: Cache) -> Reader:
     """One-file datasets (HDF5): cached whole, versioned by the object's identity (size,
     ETag or version id, modification time), checked against its size when opened; a
-    server that gives neither ETag nor modification time has it fetched at every open."""
+    server that gives neither ETag nor modification time has it downloaded at every open
+    to learn its digest (:meth:`Cache.content_identity`)."""
     from packio.formats import open_reader
 
     info = store.info(name)
@@ -136,8 +137,9 @@ def _open_single(store: Store, name: str, cache: Cache) -> Reader:
              if info.get(k)]
     import xxhash
 
-    fresh = "" if ident else os.urandom(8).hex()  # no validator: a same-size replacement looks unchanged
-    vdir = cache.version_dir(store.url_of(name), xxhash.xxh3_128_hexdigest(repr((size, ident, fresh)).encode())[:16])
+    if not ident:  # no validator: a same-size replacement would look unchanged; its content tells
+        ident = [cache.content_identity(store, name, size if isinstance(size, int) else None)]
+    vdir = cache.version_dir(store.url_of(name), xxhash.xxh3_128_hexdigest(repr((size, ident)).encode())[:16])
     _pin(vdir, cache.fetch_all(store, {name: (size if isinstance(size, int) else None, None)}, vdir, None,
                                threads=1))
     return open_reader(vdir / name)
