@@ -19,8 +19,10 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) examples/demo.py
 
+# Two pytest processes (pytest-xdist): the suite waits on children, servers and timeouts as much as it
+# computes; the tests sharing the torchrun launches go to one process (tests/conftest.py).
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"

@@ -207,3 +207,28 @@ def sealed(m: dict) -> dict:
 
     fields = {k: m[k] for k in Manifest.__dataclass_fields__ if k in m and k != "digest"}
     return {**m, "digest": Manifest(**fields).content_digest()}
+
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the session's torchrun launches is named ``test_torchrun_*``: under
+    pytest-xdist those run on one worker (``pytest_xdist_make_scheduler``), so the launches
+    happen once in the session."""
+    for item in items:
+        uses = "torchrun_launches" in getattr(item, "fixturenames", ())
+        if uses != item.name.startswith("test_torchrun"):
+            raise pytest.UsageError(f"{item.nodeid}: name the tests that use torchrun_launches, "
+                                    "and only those, test_torchrun_*")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Load balancing one test at a time, except the test_torchrun_* tests, which go together
+    (xdist's own ``--dist loadgroup`` cannot group under pytest 9.2: it renames ``_nodeid``)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TorchrunTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "torchrun" if "::test_torchrun" in nodeid else nodeid
+
+    return TorchrunTogether(config, log)
