@@ -1,17 +1,25 @@
 """Packing at scale: per-sample CPU, converter peak RSS, open time and reader RSS for N samples.
 
 Generates N tiny 64x64 q90 JPEGs (``--distinct`` of them encoded, the rest hard links, in
-one flat folder) and a CSV with an image label and one box per image, then packs them
-into each format in a fresh child process (so each peak RSS is that run's own) and opens
-and reads the result in another. Prints one row per (N, format), and the ratios of the
-per-sample figures at the largest N to those at the smallest.
+one flat folder, or ``--per-folder`` to a sub-folder) and a CSV with an image label and one
+box per image, then packs them into each format in a fresh child process (so each peak RSS
+is that run's own) and opens and reads the result in another. Prints one row per (N,
+format): pack CPU per sample (getrusage: user + system, less load-sensitive than wall
+time), converter peak RSS and its growth per sample, GC passes, output size, open time,
+reader RSS and read CPU per sample; then the ratios of the per-sample figures at the
+largest N to those at the smallest.
 
     python benchmarks/scale.py --n 10000 100000 1000000
     python benchmarks/scale.py --n 10000 100000 --tree /work/main      # the same run on another tree
+    python benchmarks/scale.py --n 100000 --compare-tree /tmp/old     # read CPU, this tree vs another
 
 ``--tree`` puts that tree's ``packio`` first on the children's path (before/after
 comparisons: run once per tree with the same ``--work`` folder; the images are reused).
-Figures for claims come from a quiet machine (``flock /tmp/packio-timing.lock``).
+``--compare-tree`` reads each packed output with that tree too, alternating the two
+trees ``--repeat`` times (the lowest CPU of each kept), and prints the read CPU ratio:
+the same run, the same files, two trees. Before each pack the free disk is checked
+against the output size per sample measured at a smaller N (or a guess). Figures for
+claims come from a quiet machine (``flock /tmp/packio-timing.lock``).
 """
 
 from __future__ import annotations
@@ -20,12 +28,16 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 SUFFIX = {"lmdb": ".lmdb", "wds": ".wds", "arrays": ".arrays", "h5": ".h5"}
+# bytes per sample on disk before any was measured: 1 KB JPEGs (LMDB 3 a 4 KiB page; tar a
+# header and a JSON member each, 512-byte blocks); arrays and h5 hold 64x64x3 pixels
+GUESS_BYTES = {"lmdb": 1500, "wds": 3000, "arrays": 12600, "h5": 12600}
 
 PACK = r"""
 import gc, json, os, resource, sys, time
@@ -66,21 +78,31 @@ step = max(1, len(ds) // n)
 for i in range(0, step * n, step):
     ds[i]
 ru = resource.getrusage(resource.RUSAGE_SELF)
+idx = list(range(0, step * n, step))
+for k in range(0, n, 64):  # the DataLoader's route: one __getitems__ call per batch of 64
+    ds.__getitems__(idx[k:k + 64])
+rb = resource.getrusage(resource.RUSAGE_SELF)
 with open("/proc/self/status") as f:
     hwm = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
 print(json.dumps({"open_ms": open_ms, "read": n, "read_cpu_s": ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime,
+                  "batch_cpu_s": rb.ru_utime + rb.ru_stime - ru.ru_utime - ru.ru_stime,
                   "reader_rss_kib": hwm}))
 """
 
 
-def make_source(work: Path, n: int, distinct: int) -> tuple[Path, Path]:
-    """``work/src-N/`` with N JPEGs (hard links to ``distinct`` encoded ones) and ``work/src-N.csv``."""
+def make_source(work: Path, n: int, distinct: int, per_folder: int = 0) -> tuple[Path, Path]:
+    """``work/src-N/`` with N JPEGs (hard links to ``distinct`` encoded ones; ``per_folder``
+    to a sub-folder, 0: flat) and ``work/src-N.csv``. Costs one directory entry and one
+    CSV row per sample (no inode: ext4 allows 65,000 links to a file)."""
     import numpy as np
     import simplejpeg
 
-    src, csv_path = work / f"src-{n}", work / f"src-{n}.csv"
+    tag = f"{n}" + (f"-f{per_folder}" if per_folder else "")
+    src, csv_path = work / f"src-{tag}", work / f"src-{tag}.csv"
     if csv_path.exists():
         return src, csv_path
+    if n // distinct >= 65_000:
+        raise SystemExit(f"--distinct {distinct}: {n} samples need at least {n // 65_000 + 1} (ext4 link limit)")
     pool = work / "pool"
     pool.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -95,7 +117,9 @@ def make_source(work: Path, n: int, distinct: int) -> tuple[Path, Path]:
         w = csv.writer(f)
         w.writerow(["filename", "label", "class", "xmin", "ymin", "xmax", "ymax"])
         for i in range(n):
-            name = f"img{i:08d}.jpg"
+            name = f"d{i // per_folder:05d}/img{i:08d}.jpg" if per_folder else f"img{i:08d}.jpg"
+            if per_folder and i % per_folder == 0:
+                (src / name).parent.mkdir(exist_ok=True)
             if not (src / name).exists():
                 os.link(pool / f"{i % distinct}.jpg", src / name)
             w.writerow([name, f"c{i % 10}", f"b{i % 5}", i % 20, i % 17, 40 + i % 20, 45 + i % 17])
@@ -114,22 +138,51 @@ def child(code: str, args: list[str], tree: Path | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(work: Path, n: int, fmt: str, tree: Path | None, workers: int, read_limit: int) -> dict:
-    src, csv_path = make_source(work, n, ARGS.distinct)
+def _disk_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _check_disk(work: Path, n: int, fmt: str, per_sample: dict[str, float]) -> None:
+    """Refuse a pack the free disk cannot hold (per sample: measured at a smaller N, else a guess)."""
+    need = n * per_sample.get(fmt, GUESS_BYTES[fmt]) * 1.1
+    free = shutil.disk_usage(work).free
+    if need > free:
+        raise SystemExit(f"{fmt} at {n}: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free in {work}; "
+                         f"leave this format out (--formats) or free some space")
+
+
+def run(work: Path, n: int, fmt: str, tree: Path | None, workers: int, read_limit: int,
+        per_sample: dict[str, float]) -> dict:
+    src, csv_path = make_source(work, n, ARGS.distinct, ARGS.per_folder)
     dst = work / f"out-{n}{SUFFIX[fmt]}"
     if dst.exists():
         subprocess.run(["rm", "-rf", str(dst)], check=True)
+    _check_disk(work, n, fmt, per_sample)
     pack = child(PACK, [str(src), str(csv_path), str(dst), fmt, str(workers)], tree)
-    read = child(READ, [str(dst), str(read_limit)], tree)
+    out_bytes = _disk_bytes(dst)
+    per_sample[fmt] = out_bytes / n
+    reads = [child(READ, [str(dst), str(read_limit)], tree)]
+    if ARGS.compare_tree:  # this tree and the other, alternating; the lowest CPU of each
+        other = [child(READ, [str(dst), str(read_limit)], ARGS.compare_tree)]
+        for _ in range(ARGS.repeat - 1):
+            reads.append(child(READ, [str(dst), str(read_limit)], tree))
+            other.append(child(READ, [str(dst), str(read_limit)], ARGS.compare_tree))
+        pack["other_read_cpu_s"] = min(r["read_cpu_s"] for r in other)
+        pack["other_batch_cpu_s"] = min(r["batch_cpu_s"] for r in other)
+    read = min(reads, key=lambda r: r["read_cpu_s"])
+    read["batch_cpu_s"] = min(r["batch_cpu_s"] for r in reads)
     subprocess.run(["rm", "-rf", str(dst)], check=True)
-    return {"n": n, "format": fmt, **pack, **read}
+    return {"n": n, "format": fmt, "out_bytes": out_bytes, **pack, **read}
 
 
 def row(r: dict) -> str:
     growth = (r["peak_rss_kib"] - r["base_rss_kib"]) * 1024 / r["n"]
     return (f"{r['n']:>9} {r['format']:>7} {r['cpu_s'] / r['n'] * 1e6:9.1f} {r['peak_rss_kib'] / 1024:9.0f} "
             f"{growth:8.0f} {str(r['gc_collections']):>16} {r['open_ms']:8.1f} {r['reader_rss_kib'] / 1024:9.0f} "
-            f"{r['read_cpu_s'] / r['read'] * 1e6:9.1f}")
+            f"{r['read_cpu_s'] / r['read'] * 1e6:9.1f} {r['batch_cpu_s'] / r['read'] * 1e6:9.1f} "
+            f"{r['out_bytes'] / 2**20:9.0f}"
+            + (f" {r['other_read_cpu_s'] / r['read'] * 1e6:9.1f} {r['read_cpu_s'] / r['other_read_cpu_s']:6.2f}"
+               if "other_read_cpu_s" in r else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,17 +196,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="convert(workers=...): 0 packs in the measured process")
     ap.add_argument("--read", type=int, default=20_000, help="samples read per dataset for the read figure")
     ap.add_argument("--json", type=Path, help="also write every result here")
+    ap.add_argument("--per-folder", type=int, default=0, help="images per sub-folder (0: one flat folder)")
+    ap.add_argument("--compare-tree", type=Path, help="also read each output with this tree's packio (read CPU ratio)")
+    ap.add_argument("--repeat", type=int, default=3, help="reads per tree with --compare-tree (lowest CPU kept)")
     ARGS = a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     print(f"tree: {a.tree or 'this checkout / installed packio'}; {a.distinct} distinct 64x64 q90 JPEGs; "
-          f"workers={a.workers}")
+          f"workers={a.workers}; " + (f"{a.per_folder} per sub-folder" if a.per_folder else "one flat folder"))
     print(f"{'N':>9} {'format':>7} {'cpu us/s':>9} {'peak MiB':>9} {'B/sample':>8} {'gc gen0/1/2':>16} "
-          f"{'open ms':>8} {'read MiB':>9} {'read us/s':>9}")
-    results = []
-    for n in a.n:
+          f"{'open ms':>8} {'read MiB':>9} {'read us/s':>9} {'batch us/s':>9} {'out MiB':>9}"
+          + (f" {'other us/s':>9} {'ratio':>6}" if a.compare_tree else ""))
+    results: list[dict] = []
+    per_sample: dict[str, float] = {}  # output bytes per sample, measured
+    for n in sorted(a.n):
         for fmt in a.formats:
             t = time.perf_counter()
-            results.append(run(a.work, n, fmt, a.tree, a.workers, a.read))
+            results.append(run(a.work, n, fmt, a.tree, a.workers, a.read, per_sample))
             if len(results) == 1:
                 print(f"packio imported from {results[0]['packio']}")
             print(row(results[-1]) + f"   ({time.perf_counter() - t:.0f} s)", flush=True)
@@ -166,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{fmt}: pack CPU/sample at {hi} = {r1['cpu_s'] / hi / (r0['cpu_s'] / lo):.2f} x at {lo}; "
                   f"read CPU/sample {r1['read_cpu_s'] / r1['read'] / (r0['read_cpu_s'] / r0['read']):.2f} x; "
                   f"converter peak RSS grows {grow:.0f} B per sample from {lo} to {hi}")
+    if a.compare_tree:
+        for r in results:
+            for what in ("read", "batch"):
+                ratio = r[f"{what}_cpu_s"] / r[f"other_{what}_cpu_s"]
+                how = "ds[i]" if what == "read" else "__getitems__ of 64"
+                print(f"{r['format']} at {r['n']}: read CPU per sample by {how} "
+                      f"{ratio:.2f} x the other tree's ({(1 - ratio) * 100:.0f} % lower)")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -129,13 +129,15 @@ def manifest_id(path: Path) -> str:
         limits.read_regular(path, limits.MAX_MANIFEST_BYTES), str(path)).id
 
 
-def file_digest(path: Path, chunk: int = 1 << 22) -> str:
+def file_digest(path: Path, chunk: int = 1 << 20) -> str:
     import xxhash
 
     h = xxhash.xxh3_128()
+    buf = bytearray(chunk)  # one buffer read into: no fresh block per read held by the heap
+    view = memoryview(buf)
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 

@@ -8,7 +8,6 @@ reads every array; a batch needs no per-sample record parsing.
 
 from __future__ import annotations
 
-import itertools
 import struct
 from array import array
 from pathlib import Path
@@ -26,6 +25,7 @@ from packio.sample import Sample
 
 __all__ = ["ArrayWriter", "ArrayReader", "FORMAT"]
 
+_KEY_CHUNK = 1 << 16  # keys turned into unicode at a time when keys.npy is written
 _HEADER = 256  # bytes reserved for the .npy header, rewritten with the final N
 
 
@@ -78,13 +78,26 @@ class ArrayWriter(Writer):
         save = lambda name, arr: np.save(self.path / name, arr, allow_pickle=False)  # noqa: E731
         columns = self._columns.drain()
         columns["box_offsets"] = np.concatenate([[0], columns["box_offsets"]]).astype(np.int64)
-        for name, column in columns.items():
-            save(f"{name}.npy", column)
-        keys = (self._keys[a:b].decode("utf-8", "surrogatepass")
-                for a, b in zip(itertools.chain((0,), self._key_ends), self._key_ends))
-        save("keys.npy", np.fromiter(keys, f"U{self._key_chars}", self.count))
+        for name in list(columns):  # each column freed once saved
+            save(f"{name}.npy", columns.pop(name))
+        self._save_keys()
         self._records.close()
         return {"images": "images.npy", "labels": "labels.npy", "shape": [self._h, self._w, 3]}
+
+    def _save_keys(self) -> None:
+        """``keys.npy`` as ``np.save`` writes it, a chunk of keys at a time: the whole
+        unicode array (4 B a character) is never held."""
+        dtype = np.dtype(f"U{self._key_chars}")
+        header = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
+        header["shape"] = (self.count,)
+        ends = np.frombuffer(self._key_ends, np.int64) if self.count else np.zeros(0, np.int64)
+        with open(self.path / "keys.npy", "wb") as f:
+            np.lib.format.write_array_header_1_0(f, header)
+            for k in range(0, self.count, _KEY_CHUNK):
+                part = ends[k:k + _KEY_CHUNK].tolist()
+                keys = (self._keys[a:b].decode("utf-8", "surrogatepass")
+                        for a, b in zip([int(ends[k - 1]) if k else 0, *part[:-1]], part))
+                f.write(np.fromiter(keys, dtype, len(part)).tobytes())
 
     def abort(self) -> None:
         self._out.close()

@@ -45,7 +45,8 @@ class ColumnBuffer:
     def drain(self) -> dict[str, np.ndarray]:
         """The rows added since the last drain. ``box_offsets`` holds their end offsets
         only (absolute): a writer starts the column with ``[0]`` and appends these."""
-        col = lambda a, dtype: np.frombuffer(a, dtype).copy() if len(a) else np.zeros(0, dtype)  # noqa: E731
+        # views of the arrays dropped below (no copy: they are never appended to again)
+        col = lambda a, dtype: np.frombuffer(a, dtype) if len(a) else np.zeros(0, dtype)  # noqa: E731
         ends = self._box_total + np.cumsum(col(self._counts, np.int64), dtype=np.int64)
         out = {"labels": col(self._labels, np.int64), "boxes": col(self._boxes, np.float32).reshape(-1, 4),
                "box_labels": col(self._box_labels, np.int64), "box_offsets": ends.astype(np.int64)}

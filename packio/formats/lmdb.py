@@ -41,6 +41,7 @@ class LMDBWriter(Writer):
                               metasync=False, readahead=False, meminit=False, max_dbs=0)
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
+        self._data_fd = os.open(path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)  # finds LMDB's map of it
 
     def add(self, sample: Sample) -> None:
         rec = pack_record(sample.record())
@@ -65,6 +66,7 @@ class LMDBWriter(Writer):
             except lmdb.Error as exc:
                 raise self._write_error(exc) from None
         self._pending, self._pending_bytes = [], 0
+        _drop_mapped_pages(self._data_fd, self.path / "data.mdb")
 
     def _write_error(self, exc: lmdb.Error) -> OSError:
         """lmdb.Error carries no errno, and LMDB reports a short write on a full disk as
@@ -79,6 +81,7 @@ class LMDBWriter(Writer):
         except lmdb.Error as exc:
             raise self._write_error(exc) from None
         self._env.close()
+        os.close(self._data_fd)
         lock = self.path / "lock.mdb"
         if lock.exists():
             lock.unlink()
@@ -86,6 +89,27 @@ class LMDBWriter(Writer):
 
     def abort(self) -> None:
         self._env.close()
+        os.close(self._data_fd)
+
+
+def _drop_mapped_pages(fd: int, path: Path) -> None:
+    """Unmap from this process the pages of data.mdb that LMDB's map faulted in. Each
+    commit reads a few pages through the map, and the kernel maps the written pages
+    around them too (fault-around): ~65 B per sample written, held as RSS until close
+    (measured at 100k). The writer writes with pwrite, never through the read-only map,
+    so dropping the pages loses nothing; a later read faults them back from the cache."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None:
+        return
+    for start, length in _maps_of(fd, path):
+        madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
 
 
 _ENVS: dict[tuple[str, str], list] = {}  # (realpath, dataset id) -> [environment, readers using it]

@@ -5,7 +5,6 @@ processes), each stored sample handed to the format's writer, then the part's ma
 from __future__ import annotations
 
 import uuid
-from array import array
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,9 @@ def write_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: Pa
     notes = Counter(notes or {})
     problems: list[str] = []
     writer = spec.writer(path, job.write_options)
-    sums = array("Q")  # each sample's checksum (xxh3-64): duplicates counted in numpy at the end
+    # each sample's checksum (xxh3-64), room made once (a growing array's copies stayed resident):
+    # duplicates counted in numpy at the end
+    sums, n_sums = np.empty(len(tasks), np.uint64), 0
     done: Counter[str] = Counter()  # "jpeg kept", "bmp→jpeg", ...
     stored: Counter[str] = Counter()  # encodings stored
     jpeg_encoded = False  # whether this step encoded any JPEG (the manifest then records the quality)
@@ -65,7 +66,8 @@ def write_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: Pa
                     problems.append(f"{r.where}: {r.reason}")
                     continue
                 sample = r.sample
-                sums.append(_sum64(sample))
+                sums[n_sums] = _sum64(sample)
+                n_sums += 1
                 done[r.done] += 1
                 stored[sample.encoding] += 1
                 jpeg_encoded |= not r.kept and sample.encoding == "jpeg"
@@ -78,7 +80,7 @@ def write_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: Pa
     except BaseException:
         writer.abort()
         raise
-    dup = len(sums) - len(np.unique(np.frombuffer(sums, np.uint64))) if sums else 0
+    dup = n_sums - len(np.unique(sums[:n_sums]))
     manifest = Manifest(format=job.format, count=writer.count, id=uuid.uuid4().hex, classes=job.classes,
                         box_classes=job.box_classes,
                         image=image_facts(job.image, done, stored, jpeg_encoded), source=job.source, extra=extra,

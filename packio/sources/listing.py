@@ -13,7 +13,7 @@ import numpy as np
 from packio.errors import SourceError
 from packio.sources.csvrows import Rows, read_csv
 from packio.sources.join import join
-from packio.sources.strings import CHUNK, Strings
+from packio.sources.strings import CHUNK, Strings, trim_heap
 from packio.sources.walk import Files, walk
 
 __all__ = ["SourceItem", "Listing", "Scan", "scan_source"]
@@ -188,6 +188,7 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
         raise SourceError(f"{root}: not a folder. Give a folder of images (class sub-folders or flat)")
     scan = Scan(items=Listing(str(root), Strings.of([]), *_empty_columns()), classes=[])
     files = walk(root, scan.skip, {os.path.abspath(csv_path)} if csv_path else set(), follow_symlinks)
+    trim_heap()  # the walk's sort buffers
     if csv_path:
         rows, file_of = _csv_rows(root, Path(csv_path), columns or {}, files, scan, strict)
     else:
@@ -206,6 +207,8 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
         scan.notes[UNLABELLED] = unlabelled
     scan.info.update({"files": len(files.keys), "csv_rows": len(rows),
                       "images_with_rows": len(np.unique(file_of[file_of >= 0]))})
+    del rows, file_of, files, bad, keep, kept, labels
+    trim_heap()  # the CSV's columns and the join's tables: not held through the write
     return scan
 
 
