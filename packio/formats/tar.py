@@ -316,7 +316,10 @@ def tar_pattern(path: Path, m: Manifest) -> str | None:
     outer = _brace(list(groups))
     if len(inner) == 1 and outer:
         return str(path / outer / _brace(list(next(iter(inner))))) if _brace(list(next(iter(inner)))) else None
-    return str(path / "*" / "*.tar") + " (a glob: sorted(glob.glob(...)) lists the shards)"
+    glob = str(path / "*" / "*.tar")
+    if "" in groups:  # grown by convert --append: the first part's shards lie in the top folder
+        glob = f"{path / '*.tar'} + {glob}"
+    return glob + " (globs: sorted(glob.glob(...)) lists the shards)"
 
 
 def _brace(names: list[str]) -> str | None:
