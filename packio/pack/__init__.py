@@ -76,23 +76,15 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
     conversion to the same path fail at once. ``overwrite`` replaces only a packio
     dataset, atomically. Symlinks in ``src`` are followed only where they stay inside
     it, unless ``follow_symlinks``; every skipped entry is counted. SIGTERM / SIGHUP
-    remove the temporary output as Ctrl-C does.
-
-    ``append=True`` grows the packio folder dataset at ``dst`` by one part holding the
-    samples of ``src`` (under the same lock; committed by replacing its manifest, the old
-    files untouched, so readers opened before keep reading their version). The part gets
-    the dataset's stored settings (format, resize, encode, quality, check; contradicting
-    them is an error); new class names are appended to the class list, old ids never
-    change; a key the dataset holds already is refused, naming it.
+    remove the temporary output as Ctrl-C does. ``append=True`` adds ``src`` to the folder
+    dataset ``dst`` as one more part, with its stored settings (:mod:`packio.pack.append`).
     """
-    options = merge_options(PackOptions, options, fields, "convert")
-    t0 = time.perf_counter()
+    options, t0 = merge_options(PackOptions, options, fields, "convert"), time.perf_counter()
     src, dst, spec, packed = check_request(src, dst, options, csv=csv, columns=columns, workers=workers, parts=parts,
                                            overwrite=overwrite, append=append, scheduler=scheduler)
     with terminate_cleanly(), output_lock(dst):
         if append:
-            return _append(src, dst, options, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
-                           workers=workers, progress=progress, t0=t0)
+            return _append(src, dst, options, packed, csv, columns, strict, follow_symlinks, workers, progress, t0)
         check_output(dst, overwrite)  # again, under the lock
         source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
         job, fn = plan(spec, options, source, strict)
@@ -117,7 +109,7 @@ def _write(job: Job, fn: Callable[[Any], Result], source: Source, tmp: Path, *, 
 
 
 def _append(src: Path | Reader, dst: Path, options: PackOptions, packed: bool, csv: str | Path | None,
-            columns: dict[str, str] | None, *, strict: bool, follow_symlinks: bool, workers: int | str,
+            columns: dict[str, str] | None, strict: bool, follow_symlinks: bool, workers: int | str,
             progress: bool | None, t0: float) -> Summary:
     """Pack ``src`` as one more part of the dataset at ``dst`` (see packio.pack.append)."""
     old = existing(dst)
