@@ -207,3 +207,25 @@ def test_cli_append_and_info_shows_parts(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["info", str(ds)]) == 0
     out = capsys.readouterr().out
     assert "parts:    2: . (4 samples), part-00001.wds (4 samples)" in out and "classes:  3: x, y, z" in out
+
+
+def _boxes_csv(folder: Path, rows: list[tuple[str, str]]) -> Path:
+    path = folder.parent / f"{folder.name}.csv"
+    path.write_text("filename,class,xmin,ymin,xmax,ymax\n" + "".join(f"{f},{c},1,2,8,9\n" for f, c in rows))
+    return path
+
+
+def test_box_class_names_merged_with_stable_ids(tmp_path: Path) -> None:
+    a, b = make(tmp_path / "a", ["x", "y"], 2, "a"), make(tmp_path / "b", ["y", "z"], 2, "b")
+    truth = {"x/a0.png": "whisker", "x/a1.png": "ear", "y/a0.png": "ear", "y/b1.png": "nose", "z/b0.png": "whisker"}
+    ds = tmp_path / "ds.lmdb"
+    packio.convert(a, ds, csv=_boxes_csv(a, [(k, c) for k, c in truth.items() if "a" in k]), progress=False)
+    before = packio.open_reader(ds).manifest.box_class_names()
+    packio.convert(b, ds, csv=_boxes_csv(b, [(k, c) for k, c in truth.items() if "b" in k]), append=True,
+                   progress=False)
+    r = packio.open_reader(ds)
+    names = r.manifest.box_class_names()
+    assert names[:len(before)] == before and set(names) == {"whisker", "ear", "nose"}
+    got = {s.key: [names[j] for j in s.box_labels] for s in map(r.read, range(len(r))) if len(s.box_labels)}
+    assert got == {k: [c] for k, c in truth.items()}
+    assert all(r.manifest.classes[s.label] == s.key[0] for s in map(r.read, range(len(r))))
