@@ -280,6 +280,10 @@ class Reader(ABC):
     @abstractmethod
     def read(self, i: int) -> Sample: ...
 
+    def key(self, i: int) -> str:
+        """Sample ``i``'s key; formats keeping records apart from images read the record only."""
+        return self.read(i).key
+
     def read_many(self, indices: list[int]) -> list[Sample]:
         return [self.read(i) for i in indices]
 

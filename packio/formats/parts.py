@@ -76,6 +76,10 @@ class MultiPartReader(Reader):
         reader, j = self._locate(i)
         return reader.read(j)
 
+    def key(self, i: int) -> str:
+        reader, j = self._locate(i)
+        return reader.key(j)
+
     def units(self) -> list[range]:
         out: list[range] = []
         for start, r in zip(self.starts, self.parts):

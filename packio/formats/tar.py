@@ -504,6 +504,13 @@ class TarReader(Reader):
                     pass  # the parts that looked like packio's do not hold together: the image alone
         return decode_stored(rec, payload, f"#{i}")
 
+    def key(self, i: int) -> str:
+        i = self.check_index(i)
+        self._ensure_open()
+        shard, _, _, joff, jsize = (int(v) for v in self.index[i])
+        rec = self._record(shard, joff, jsize, i) if self.foreign is None else None
+        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self.read(i).key
+
     def units(self) -> list[range]:
         if not len(self.index):
             return []

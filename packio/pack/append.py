@@ -132,13 +132,13 @@ def check_keys(dst: Path, tmp: Path) -> None:
     """Refuse a new part holding a key the dataset has already (named in the error)."""
     new = open_reader(tmp)
     try:
-        keys = {new.read(i).key for i in range(len(new))}
+        keys = {new.key(i) for i in range(len(new))}
     finally:
         new.close()
     old = open_reader(dst)
     try:
         for i in range(len(old)):
-            key = old.read(i).key
+            key = old.key(i)  # the record only, where the format keeps it apart from the image
             if key in keys:
                 raise PackioError(f"{dst} already holds a sample with key {key!r} (#{i}), which the new samples "
                                   f"have too; nothing was appended. Rename or leave out those inputs (keys are "
