@@ -60,7 +60,8 @@ def stored_options(dst: Path, m: Manifest, options: PackOptions) -> PackOptions:
     given (not its default) that contradicts them is an error (the parts must agree)."""
     default, img = PackOptions(), m.image
     resize = img.get("resize")
-    spec = ResizeSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in resize.items()}) if resize else ResizeSpec()
+    spec = ResizeSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in resize.items()}) \
+        if isinstance(resize, dict) else ResizeSpec()
     stored = {"format": m.format, "resize": spec, "encode": img.get("encode", "keep"),
               "quality": img.get("quality") or options.quality, "check": img.get("check", "auto")}
     for name, value in stored.items():
@@ -168,7 +169,8 @@ def top_manifest(old: Manifest, part: dict[str, Any], name: str, files: dict[str
     parts = old.extra.get("parts") or [{"path": ".", "manifest": BASE_PART, "count": old.count}]
     versions = [*old.extra.get("versions", []), old.id]
     s, n = old.summary, new.summary
-    image = {**old.image, "encodings": dict(Counter(old.image.get("encodings") or {}) + Counter(part["stored"])),
+    image = {**old.image, "quality": old.image.get("quality") or new.image.get("quality"),
+             "encodings": dict(Counter(old.image.get("encodings") or {}) + Counter(part["stored"])),
              "history": [*(old.image.get("history") or []), {**new.image["history"][-1], "appended": name}]}
     summary = {"packed": old.count + new.count,
                "skipped": dict(Counter(s.get("skipped") or {}) + Counter(n.get("skipped") or {})),
