@@ -98,7 +98,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         columns["label"] = a.label_column
     summary = convert(a.src, a.dst, options=options, csv=a.csv, columns=columns, workers=a.workers,
                       strict=a.strict, overwrite=a.overwrite, progress=False if a.quiet else None,
-                      scheduler=a.scheduler, parts=a.parts, follow_symlinks=a.follow_symlinks)
+                      scheduler=a.scheduler, parts=a.parts, follow_symlinks=a.follow_symlinks, append=a.append)
     shown = summary.problems if a.verbose else summary.problems[:20]
     for line in shown:
         print(f"skipped: {line}", file=sys.stderr)
@@ -143,6 +143,10 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"format:   {m.format} (layout version {m.version})")
     print(f"samples:  {m.count}")
     print(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
+    parts = m.extra.get("parts")
+    if isinstance(parts, list) and all(isinstance(x, dict) for x in parts):
+        listed = [f"{x.get('path')} ({x.get('count')} samples)" for x in parts[:20]]
+        print(f"parts:    {len(parts)}: {', '.join(listed)}{' ...' if len(parts) > 20 else ''}")
     print(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
     if m.box_classes is not None:
         bc = m.box_classes
@@ -306,6 +310,9 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                         "strictly: 'auto' (default) those decoded anyway (resized, re-encoded), at no extra cost; "
                         "'decode' every image (a decode each); 'header' none (headers and end markers only)")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it is a packio dataset (atomically)")
+    c.add_argument("--append", action="store_true",
+                   help="add SRC's samples to the packio dataset DST as one more part, with DST's stored settings "
+                        "(new classes appended; readers opened before keep their version)")
     c.add_argument("--follow-symlinks", action="store_true",
                    help="follow symlinks in SRC leading outside it, and symlinked folders (default: skipped, counted)")
     c.add_argument("--shards", type=_int_in(*RANGES["shards"]), metavar="N",

@@ -217,6 +217,11 @@ def read_state(state: Any, kind: str, *, length: int, seed: int, shuffle: bool,
     want = {"length": length, "seed": seed, "shuffle": shuffle}
     if kind == "iterable":
         want.update(dataset=dataset, units=units, **({"window": window} if shuffle else {}))
+    saved = state.get("length")
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved < length:
+        raise StateError(f"this state was saved on {saved} samples, but the dataset now holds {length}: it grew "
+                         f"since (packio convert --append?), which changes the order of every epoch, so the state "
+                         f"cannot resume; start the epoch again with set_epoch(), or resume on the dataset as it was")
     for name, value in want.items():
         if state.get(name) != value:
             raise StateError(f"this state was saved with {name}={state.get(name)!r}, but this {kind} has "

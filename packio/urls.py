@@ -40,6 +40,10 @@ def convert(src: Any, dst: str | Path, *args: Any, storage_options: dict[str, An
         src = open_url(str(src), storage_options=storage_options)
     if not is_url(dst):
         return convert_local(src, dst, *args, **kwargs)
+    if kwargs.get("append"):
+        raise PackioError(f"{redact(str(dst))}: appending to a URL is not supported (an upload replaces every file "
+                          f"of the dataset); append to a local copy, then upload it with "
+                          f"'packio convert LOCAL URL --overwrite'")
     from packio.remote.upload import convert_to_url
 
     return convert_to_url(convert_local, src, str(dst), *args, storage_options=storage_options, tmp_dir=tmp_dir,

@@ -229,8 +229,18 @@ class Reader(ABC):
                 raise
 
     def _check_id(self) -> None:
-        if not self.manifest.source.get("foreign") and self._stored_id() != self.manifest.id:
+        if not self.manifest.source.get("foreign") and self._stored_id() != self.manifest.id \
+                and not self._extended():
             raise self._replaced()
+
+    def _extended(self) -> bool:
+        """Whether the dataset now at ``self.path`` is this one grown by appends (which
+        leave every file of the versions they name in ``extra["versions"]`` untouched)."""
+        try:
+            versions = type(self).read_manifest(self.path).extra.get("versions")
+        except (OSError, FormatError):
+            return False
+        return isinstance(versions, list) and self.manifest.id in versions
 
     def _stored_id(self) -> str:
         """The id of the dataset now at ``self.path`` (from the first bytes of a folder's
@@ -269,6 +279,10 @@ class Reader(ABC):
 
     @abstractmethod
     def read(self, i: int) -> Sample: ...
+
+    def key(self, i: int) -> str:
+        """Sample ``i``'s key; formats keeping records apart from images read the record only."""
+        return self.read(i).key
 
     def read_many(self, indices: list[int]) -> list[Sample]:
         return [self.read(i) for i in indices]

@@ -65,6 +65,12 @@ class BMPReader(Reader):
         self.__dict__.pop("_h_blob", None)
         self.__dict__.pop("_h_dirs", None)
 
+    def key(self, i: int) -> str:
+        i = self.check_index(i)
+        self._ensure_open()
+        rec = RecordFile.get(self._h_idx, self._h_blob, i)
+        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self.read(i).key
+
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
         self._ensure_open()

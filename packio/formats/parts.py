@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from packio import limits
 from packio.errors import FormatError
 from packio.formats.base import FormatSpec, Reader, inside
-from packio.manifest import Manifest
+from packio.manifest import MANIFEST_NAME, Manifest
 from packio.sample import Sample
 
 __all__ = ["MultiPartReader"]
@@ -30,16 +31,34 @@ class MultiPartReader(Reader):
             raise FormatError(f"{path}: manifest 'parts' is malformed; re-pack the dataset")
         self.parts: list[Reader] = []
         for p in parts:
-            sub = inside(path, p["path"])
-            if sub == path.resolve():
-                raise FormatError(f"{path}: part {p['path']!r} is the dataset itself; re-pack the dataset")
-            reader = spec.reader(sub, spec.reader.read_manifest(sub))
+            reader = self._part(path, p, manifest, spec)
             if len(reader) != p["count"]:
                 raise FormatError(f"{sub}: holds {len(reader)} samples, the manifest says {p['count']}")
             self.parts.append(reader)
         self.starts = np.concatenate([[0], np.cumsum([len(r) for r in self.parts])]).astype(np.int64).tolist()
         if self.starts[-1] != manifest.count:
             raise FormatError(f"{path}: parts hold {self.starts[-1]} samples, the manifest says {manifest.count}")
+
+    @staticmethod
+    def _part(path: Path, p: dict[str, Any], manifest: Manifest, spec: FormatSpec) -> Reader:
+        """The reader of one listed part: a sub-folder dataset, or (a dataset grown by
+        ``convert --append``) the top folder's own files, described by the manifest file
+        the part names."""
+        sub = inside(path, p["path"])
+        if sub != path.resolve():
+            return spec.reader(sub, spec.reader.read_manifest(sub))
+        name = p.get("manifest")
+        if not isinstance(name, str) or name == MANIFEST_NAME or "/" in name:
+            raise FormatError(f"{path}: part {p['path']!r} is the dataset itself; re-pack the dataset")
+        where = inside(path, name)
+        m = Manifest.from_json(limits.read_regular(where, limits.MAX_MANIFEST_BYTES), str(where))
+        if m.format != manifest.format or "parts" in m.extra:
+            raise FormatError(f"{where}: not a {manifest.format} part; the dataset is damaged, re-pack it")
+        return spec.reader(path, m)
+
+    def check_stored(self) -> list[str]:
+        return [f"{r.path.name if r.path != self.path else '.'}: {line}" for r in self.parts
+                for line in r.check_stored()]
 
     def _open(self) -> None:
         pass
@@ -56,6 +75,10 @@ class MultiPartReader(Reader):
     def read(self, i: int) -> Sample:
         reader, j = self._locate(i)
         return reader.read(j)
+
+    def key(self, i: int) -> str:
+        reader, j = self._locate(i)
+        return reader.key(j)
 
     def units(self) -> list[range]:
         out: list[range] = []

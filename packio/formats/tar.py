@@ -336,7 +336,10 @@ def tar_pattern(path: Path, m: Manifest) -> str | None:
     outer = _brace(list(groups))
     if len(inner) == 1 and outer:
         return str(path / outer / _brace(list(next(iter(inner))))) if _brace(list(next(iter(inner)))) else None
-    return str(path / "*" / "*.tar") + " (a glob: sorted(glob.glob(...)) lists the shards)"
+    glob = str(path / "*" / "*.tar")
+    if "" in groups:  # grown by convert --append: the first part's shards lie in the top folder
+        glob = f"{path / '*.tar'} + {glob}"
+    return glob + " (globs: sorted(glob.glob(...)) lists the shards)"
 
 
 def _brace(names: list[str]) -> str | None:
@@ -520,6 +523,13 @@ class TarReader(Reader):
                 except CorruptSampleError:
                     pass  # the parts that looked like packio's do not hold together: the image alone
         return decode_stored(rec, payload, f"#{i}")
+
+    def key(self, i: int) -> str:
+        i = self.check_index(i)
+        self._ensure_open()
+        shard, _, _, joff, jsize = (int(v) for v in self.index[i])
+        rec = self._record(shard, joff, jsize, i) if self.foreign is None else None
+        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self.read(i).key
 
     def units(self) -> list[range]:
         if not len(self.index):

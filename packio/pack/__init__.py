@@ -11,17 +11,19 @@ store), ``workers`` (local processes), ``write`` (one part and its manifest),
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from packio.errors import SourceError
+from packio.errors import PackioError, SourceError
 from packio.formats.base import Reader
 from packio.options import PackOptions, merge_options
-from packio.pack.commit import check_output, output_lock, staged, terminate_cleanly
+from packio.pack.append import Relabeled, check_keys, commit_part, existing, merge_names, part_name, stored_options
+from packio.pack.commit import check_output, output_lock, remove, staged, temp_name, terminate_cleanly
 from packio.pack.distributed import write_parts
-from packio.pack.plan import Source, check_request, open_source, output_format, plan
+from packio.pack.plan import Source, check_request, declared_shape, open_source, output_format, plan
 from packio.pack.prepare import Packed, Result, Skipped
 from packio.pack.report import Summary, summarize
 from packio.pack.write import Job, write_part
@@ -32,7 +34,7 @@ __all__ = ["Summary", "convert", "Packed", "Skipped", "output_format"]
 def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions | None = None,
             csv: str | Path | None = None, columns: dict[str, str] | None = None, workers: int | str = "auto",
             strict: bool = False, overwrite: bool = False, progress: bool | None = None, scheduler: Any = None,
-            parts: int | None = None, follow_symlinks: bool = False, **fields: Any) -> Summary:
+            parts: int | None = None, follow_symlinks: bool = False, append: bool = False, **fields: Any) -> Summary:
     """Pack ``src`` (image folder + optional CSV, or a packed dataset) into ``dst``.
 
     What the output holds comes from ``options`` (:class:`packio.PackOptions`) and
@@ -74,13 +76,15 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
     conversion to the same path fail at once. ``overwrite`` replaces only a packio
     dataset, atomically. Symlinks in ``src`` are followed only where they stay inside
     it, unless ``follow_symlinks``; every skipped entry is counted. SIGTERM / SIGHUP
-    remove the temporary output as Ctrl-C does.
+    remove the temporary output as Ctrl-C does. ``append=True`` adds ``src`` to the folder
+    dataset ``dst`` as one more part, with its stored settings (:mod:`packio.pack.append`).
     """
-    options = merge_options(PackOptions, options, fields, "convert")
-    t0 = time.perf_counter()
+    options, t0 = merge_options(PackOptions, options, fields, "convert"), time.perf_counter()
     src, dst, spec, packed = check_request(src, dst, options, csv=csv, columns=columns, workers=workers, parts=parts,
-                                           overwrite=overwrite)
+                                           overwrite=overwrite, append=append, scheduler=scheduler)
     with terminate_cleanly(), output_lock(dst):
+        if append:
+            return _append(src, dst, options, packed, csv, columns, strict, follow_symlinks, workers, progress, t0)
         check_output(dst, overwrite)  # again, under the lock
         source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
         job, fn = plan(spec, options, source, strict)
@@ -102,3 +106,37 @@ def _write(job: Job, fn: Callable[[Any], Result], source: Source, tmp: Path, *, 
                           + "; ".join(f"{n} {r}" for r, n in sorted(part["skipped"].items()))
                           + "); nothing was written")
     return part
+
+
+def _append(src: Path | Reader, dst: Path, options: PackOptions, packed: bool, csv: str | Path | None,
+            columns: dict[str, str] | None, strict: bool, follow_symlinks: bool, workers: int | str,
+            progress: bool | None, t0: float) -> Summary:
+    """Pack ``src`` as one more part of the dataset at ``dst`` (see packio.pack.append)."""
+    old = existing(dst)
+    options = stored_options(dst, old, options)
+    source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
+    classes, label_ids = merge_names(old.classes, source.classes)
+    box_classes, box_ids = None, label_ids  # box labels index the classes, in both
+    if old.box_classes is not None or source.box_classes is not None:
+        box_classes, box_ids = merge_names(old.box_class_names(), source.box_classes
+                                           if source.box_classes is not None else source.classes)
+    source = dataclasses.replace(source, classes=classes, box_classes=box_classes,
+                                 shape=declared_shape(old) or source.shape)
+    job, fn = plan(output_format(dst, old.format), options, source, strict)
+    name = part_name(dst, old)
+    tmp = temp_name(dst / name)
+    try:
+        part = _write(job, Relabeled(fn, label_ids, box_ids), source, tmp, workers=workers, progress=progress,
+                      scheduler=None, parts=None)
+        check_keys(dst, tmp)
+        part["manifest"] = commit_part(dst, old, tmp, name, part)
+    except OSError as exc:
+        remove(tmp)
+        raise PackioError(f"{dst}: appending failed ({exc.strerror or exc}); the dataset is as it was") from None
+    except BaseException:
+        remove(tmp)
+        raise
+    summary = summarize(dst, old.format, source.problems, part, t0)
+    summary.info["appended"] = f"{name}: the dataset now holds {part['manifest'].count} samples in " \
+                               f"{len(part['manifest'].extra['parts'])} parts"
+    return summary

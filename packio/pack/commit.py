@@ -24,7 +24,7 @@ from packio.formats.base import Reader
 from packio.manifest import MANIFEST_NAME
 
 __all__ = ["TMP_MARK", "check_output", "output_lock", "terminate_cleanly", "staged", "temp_name", "commit",
-           "clean_stale", "is_dataset", "remove", "fsync_tree"]
+           "clean_stale", "stale", "is_dataset", "remove", "fsync_tree"]
 
 TMP_MARK = ".packio-tmp-"
 
@@ -65,9 +65,14 @@ def remove(path: Path) -> None:
 def clean_stale(dst: Path) -> None:
     """Remove temporaries left by killed runs (their pid is gone)."""
     for p in dst.parent.glob(f".{dst.name}{TMP_MARK}*"):
-        pid = p.name.rsplit(TMP_MARK, 1)[-1].split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if stale(p):
             remove(p)
+
+
+def stale(p: Path) -> bool:
+    """Whether ``p`` is a temporary (:func:`temp_name`) of a process that is gone."""
+    pid = p.name.rsplit(TMP_MARK, 1)[-1].split("-")[0]
+    return pid.isdigit() and not Path(f"/proc/{pid}").exists()
 
 
 def is_dataset(path: Path) -> bool:

@@ -27,7 +27,7 @@ from packio.pack.workers import cpus
 from packio.pack.write import Job
 from packio.sources import scan_source
 
-__all__ = ["Source", "check_request", "open_source", "plan", "output_format", "plan_shards",
+__all__ = ["Source", "check_request", "open_source", "plan", "output_format", "plan_shards", "declared_shape",
            "MIN_SHARD_SAMPLES", "MAX_SHARD_SAMPLES"]
 
 # Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
@@ -55,7 +55,7 @@ class Source:
 
 def check_request(src: str | Path | Reader, dst: str | Path, options: PackOptions, *, csv: str | Path | None,
                   columns: dict[str, str] | None, workers: int | str, parts: int | None,
-                  overwrite: bool) -> tuple[Path | Reader, Path, FormatSpec, bool]:
+                  overwrite: bool, append: bool = False, scheduler: Any = None) -> tuple[Path | Reader, Path, FormatSpec, bool]:
     """``src`` (a path, or a reader opened already: a URL, opened by packio.convert) and
     ``dst`` as a path, the output's format and whether ``src`` is a packed dataset, once
     every check that needs no lock passed."""
@@ -81,7 +81,11 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
         raise SourceError(f"{src}: no such file or folder")
     if given is None:
         _check_paths(src, dst, csv)
-    check_output(dst, overwrite)
+    if append and (overwrite or scheduler is not None):
+        raise PackioError(f"{dst}: --append adds to the dataset; it cannot be combined with "
+                          f"{'--overwrite' if overwrite else '--scheduler'} (drop one of them)")
+    if not append:
+        check_output(dst, overwrite)
     if not dst.parent.is_dir():
         raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
     return src if given is None else given, dst, spec, packed_src
@@ -96,7 +100,7 @@ def open_source(src: Path | Reader, packed: bool, csv: str | Path | None, column
         src = str(src)
         m = reader.manifest
         source = Source(src, f"{m.format} dataset", list(range(len(reader))), list(m.classes), m.box_classes,
-                        {"path": str(src), "packed_format": m.format}, history_of(m), reader, _declared_shape(m))
+                        {"path": str(src), "packed_format": m.format}, history_of(m), reader, declared_shape(m))
         if not source.tasks:
             raise SourceError(f"{src}: the packed dataset holds no samples; nothing to convert")
         return source
@@ -185,7 +189,7 @@ def _check_numbers(**values: Any) -> None:
                               + (" or 'auto'" if name == "workers" else "") + f", got {v!r}")
 
 
-def _declared_shape(m: Manifest) -> tuple[int, int] | None:
+def declared_shape(m: Manifest) -> tuple[int, int] | None:
     shape = m.image.get("shape")
     if (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)):
         return shape[0], shape[1]

@@ -40,6 +40,8 @@ class Summary:
         if self.info.get("workers"):
             w = self.info["workers"]  # packing processes, not a DataLoader's workers: said apart
             lines.append(f"packing:  {w if 'Dask' in w else '--workers ' + w}")
+        if self.info.get("appended"):
+            lines.append(f"appended: {self.info['appended']}")
         lines.append(f"skipped {skipped}" + (":" if skipped else ""))
         lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
         if self.info.get("duplicate_content"):
