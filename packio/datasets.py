@@ -80,7 +80,7 @@ class PackedDataset(Dataset):
         return len(self.reader)
 
     def __getitem__(self, i: int) -> Item | None:
-        return self.items.get([self.reader.check_index(i)])[0]
+        return self.items.one(self.reader.check_index(i))
 
     def __getitems__(self, indices: list[int]) -> Batch:
         """The batch, read in one go: a list-like :class:`packio.collation.Batch` of

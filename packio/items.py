@@ -21,7 +21,7 @@ import torch
 
 from packio import decode as dec
 from packio import geometry as geo
-from packio.collation import Batch, batch_buffer, stack_images
+from packio.collation import Batch, batch_buffer, item, stack_images
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
 from packio.formats.base import Reader, StoredBatch
@@ -154,6 +154,13 @@ class Decoder:
                 image = self.transform(image)
         return image, _boxes_for(s, img.shape[0], img.shape[1])
 
+    def item(self, s: Sample, index: int) -> Item:
+        """Sample ``index`` (stored as ``s``) as the per-sample dict of a batch holding it:
+        the same stages (:meth:`one`), without building a batch around it."""
+        image, boxes = self.one(s)
+        return item(image, int(s.label), torch.from_numpy(np.asarray(boxes, np.float32).reshape(-1, 4)),
+                    torch.from_numpy(np.array(s.box_labels, np.int64).reshape(-1)), s.key, index)
+
     @staticmethod
     def block(stored: StoredBatch) -> Batch:
         """A fixed-shape raw format's pixel block and columns, as they are (fresh arrays)."""
@@ -243,6 +250,14 @@ class Items:
             if stored is not None and stored.pixels is not None:
                 return self.decoder.block(stored)
         return self.decoder.samples(idx, self._samples(idx), self.pool, self.errors)
+
+    def one(self, i: int) -> Item | None:
+        """Sample ``i`` (a checked index) as :meth:`get` would hand it in a batch, without
+        the batch: read, then :meth:`Decoder.item`; ``None`` when skipped as corrupt."""
+        try:
+            return self.decoder.item(self.reader.read(i), i)
+        except PackioError as exc:
+            return self.errors(exc)
 
     def _samples(self, idx: np.ndarray) -> Callable[[int], Sample | PackioError]:
         """Sample ``j`` of the batch, each read on its own (a bad one is its error)."""

@@ -1,0 +1,102 @@
+"""``ds[i]`` (one sample, no batch built around it) hands out exactly the per-sample dict
+a batch holding sample ``i`` yields, for every format and decode setting, and what it
+hands out is never written again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import packio
+from packio.formats.base import Reader
+from packio.items import Decoder
+
+# name: (suffix, pack options); "h5-raw" is the fixed-shape HDF5 (pixels, block reads)
+FORMATS = {"lmdb": (".lmdb", {}), "tar": (".wds", {}), "hdf5": (".h5", {}), "bmp": (".bmpdir", {}),
+           "arrays": (".arrays", {"resize": packio.ResizeSpec(size=(24, 32))}),
+           "h5-raw": (".h5", {"resize": packio.ResizeSpec(size=(24, 32))})}
+READS = {"decoded": {}, "resized": {"resize": (20, 28)}, "as stored": {"decode": False}}
+
+
+@pytest.fixture(scope="module")
+def packed(gen_folder_once, tmp_path_factory) -> dict[str, Path]:
+    src, csv = gen_folder_once
+    root = tmp_path_factory.mktemp("single")
+    out = {}
+    for name, (suffix, kw) in FORMATS.items():
+        out[name] = root / f"{name}{suffix}"
+        packio.convert(src, out[name], csv=csv, progress=False, **kw)
+    assert {packio.open_dataset(p).reader.manifest.format for p in out.values()} == set(packio.formats.formats())
+    return out
+
+
+def _same(one: dict, ref: dict) -> None:
+    """``one`` is ``ref``: keys, types, dtypes, shapes, strides (memory format) and values."""
+    assert list(one) == list(ref)
+    for k, v in ref.items():
+        got = one[k]
+        assert type(got) is type(v), k
+        if isinstance(v, torch.Tensor):
+            assert (got.dtype, got.shape) == (v.dtype, v.shape), k
+            assert not v.numel() or got.stride() == v.stride(), k  # an empty tensor's strides mean nothing
+            assert torch.equal(got, v), k
+        else:
+            assert got == v, k
+
+
+@pytest.mark.parametrize("read", list(READS))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_one_sample_is_the_batch_item(packed, fmt, read):
+    ds = packio.open_dataset(packed[fmt], **READS[read])
+    n = len(ds)
+    order = [int(i) for i in np.random.default_rng(1).permutation(n)]
+    batch = ds.__getitems__(order)
+    boxes = 0
+    for j, i in enumerate(order):
+        ref = batch[j]
+        _same(ds[i], ref)
+        _same(ds[i - n], ref)  # a negative index: the same sample, its index as stored
+        assert ref["index"] == i
+        boxes += len(ref["boxes"])
+    assert boxes, "no sample with boxes: the box columns went untested"
+    if read == "resized":
+        assert ds[0]["image"].shape == (3, 20, 28)
+    if read == "as stored" and fmt not in ("arrays", "h5-raw"):
+        assert isinstance(ds[0]["image"], bytes)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_one_sample_builds_no_batch(packed, fmt, monkeypatch):
+    """The one-index path does not go through the batch route (its cost was a batch's)."""
+    ds = packio.open_dataset(packed[fmt], resize=(20, 28))
+    want = [ds[i] for i in range(3)]
+
+    def no_batch(*args, **kwargs):
+        raise AssertionError("ds[i] built a batch")
+
+    for name in ("samples", "block"):
+        monkeypatch.setattr(Decoder, name, no_batch)
+    monkeypatch.setattr(Reader, "check_indices", no_batch)
+    for i, w in enumerate(want):
+        _same(ds[i], w)
+
+
+@pytest.mark.parametrize("read", list(READS))
+@pytest.mark.parametrize("fmt", ["lmdb", "arrays", "h5-raw"])
+def test_kept_sample_never_changes(packed, fmt, read):
+    """Every tensor of a kept ``ds[i]`` still holds what it held after many later reads
+    (single and batched) of other samples, and shares no memory with them."""
+    ds = packio.open_dataset(packed[fmt], **READS[read])
+    kept = ds[1]
+    copies = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kept.items()}
+    later = [ds[i] for i in range(len(ds)) for _ in range(2)] + list(ds.__getitems__(list(range(len(ds)))))
+    for k, v in kept.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, copies[k]), k
+            ptr = v.untyped_storage().data_ptr()
+            assert all(x[k].untyped_storage().data_ptr() != ptr for x in later if x[k].numel()), k
+        else:
+            assert v == copies[k]
