@@ -18,7 +18,8 @@ from packio.items import Decoder
 FORMATS = {"lmdb": (".lmdb", {}), "tar": (".wds", {}), "hdf5": (".h5", {}), "bmp": (".bmpdir", {}),
            "arrays": (".arrays", {"resize": packio.ResizeSpec(size=(24, 32))}),
            "h5-raw": (".h5", {"resize": packio.ResizeSpec(size=(24, 32))})}
-READS = {"decoded": {}, "resized": {"resize": (20, 28)}, "as stored": {"decode": False}}
+READS = {"decoded": {}, "resized": {"resize": (20, 28)}, "as stored": {"decode": False},
+         "transformed": {"resize": (20, 28), "transform": lambda im: im.flip(-1).float() / 255}}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_one_sample_is_the_batch_item(packed, fmt, read):
         assert ref["index"] == i
         boxes += len(ref["boxes"])
     assert boxes, "no sample with boxes: the box columns went untested"
-    if read == "resized":
+    if read in ("resized", "transformed"):
         assert ds[0]["image"].shape == (3, 20, 28)
     if read == "as stored" and fmt not in ("arrays", "h5-raw"):
         assert isinstance(ds[0]["image"], bytes)
