@@ -63,6 +63,10 @@ def test_one_sample_is_the_batch_item(packed, fmt, read):
         assert ref["index"] == i
         boxes += len(ref["boxes"])
     assert boxes, "no sample with boxes: the box columns went untested"
+    streamed = list(packio.open_dataset(packed[fmt], iterable=True, **READS[read]))  # batch_size=1: one by one
+    assert len(streamed) == n
+    for i, got in enumerate(streamed):
+        _same(got, batch[order.index(i)])
     if read in ("resized", "transformed"):
         assert ds[0]["image"].shape == (3, 20, 28)
     if read == "as stored" and fmt not in ("arrays", "h5-raw"):
@@ -71,9 +75,11 @@ def test_one_sample_is_the_batch_item(packed, fmt, read):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_one_sample_builds_no_batch(packed, fmt, monkeypatch):
-    """The one-index path does not go through the batch route (its cost was a batch's)."""
+    """The one-index path (``ds[i]``, a stream of batch_size=1) does not go through the
+    batch route (its cost was a batch's)."""
     ds = packio.open_dataset(packed[fmt], resize=(20, 28))
-    want = [ds[i] for i in range(3)]
+    want = [ds[i] for i in range(len(ds))]
+    stream = packio.open_dataset(packed[fmt], iterable=True, resize=(20, 28))  # batch_size=1
 
     def no_batch(*args, **kwargs):
         raise AssertionError("ds[i] built a batch")
@@ -83,6 +89,8 @@ def test_one_sample_builds_no_batch(packed, fmt, monkeypatch):
     monkeypatch.setattr(Reader, "check_indices", no_batch)
     for i, w in enumerate(want):
         _same(ds[i], w)
+    for w, got in zip(want, stream, strict=True):
+        _same(got, w)
 
 
 @pytest.mark.parametrize("read", list(READS))
