@@ -209,7 +209,10 @@ class Decoder:
 class Items:
     """What the datasets call: indices → one :class:`Batch`, by one route: the reader's
     :meth:`~Reader.read_batch`, then the decoder. A fixed-shape raw format with nothing
-    to decode, resize, transform or verify hands its pixel block on as it is."""
+    to decode, resize, transform or verify hands its pixel block on as it is.
+    :meth:`one` (``ds[i]``) reads one sample through the same per-sample stages
+    (:meth:`Decoder.one`) without a batch around it: a batch's cost was twice the
+    sample's on tiny images (tests/test_single_reads.py holds the two to one result)."""
 
     def __init__(self, path: str | Path, format_name: str | None, options: DecodeOptions) -> None:
         self.options = options
