@@ -109,3 +109,25 @@ def test_kept_sample_never_changes(packed, fmt, read):
             assert all(x[k].untyped_storage().data_ptr() != ptr for x in later if x[k].numel()), k
         else:
             assert v == copies[k]
+
+
+def test_corrupt_sample_is_skipped_or_raised_alike(packed, tmp_path):
+    """A sample that does not decode: ``ds[i]`` is ``None`` where the batch holds ``None``
+    (``on_error="skip"``, counted), and raises the batch's error otherwise."""
+    import shutil
+
+    path = tmp_path / "d.bmpdir"
+    shutil.copytree(packed["bmp"], path)
+    bad = path / "images" / "000000" / "0000000003.bmp"
+    bad.write_bytes(b"BM" + bytes(len(bad.read_bytes()) - 2))  # a BMP header of zeros: no image
+    ds = packio.open_dataset(path, on_error="skip")
+    batch = ds.__getitems__(list(range(len(ds))))
+    assert batch[3] is None and ds[3] is None and ds.items.errors.count == 2
+    for i in (0, 4):
+        _same(ds[i], batch[i])
+    raising = packio.open_dataset(path)
+    with pytest.raises(packio.errors.CorruptSampleError) as one:
+        raising[3]
+    with pytest.raises(packio.errors.CorruptSampleError) as many:
+        raising.__getitems__([2, 3])
+    assert str(one.value) == str(many.value)
