@@ -212,7 +212,7 @@ class Items:
     to decode, resize, transform or verify hands its pixel block on as it is.
     :meth:`one` (``ds[i]``) reads one sample through the same per-sample stages
     (:meth:`Decoder.one`) without a batch around it: a batch's cost was twice the
-    sample's on tiny images (tests/test_single_reads.py holds the two to one result)."""
+    sample's on tiny images (tests/test_single_reads.py: both hand out the same dicts)."""
 
     def __init__(self, path: str | Path, format_name: str | None, options: DecodeOptions) -> None:
         self.options = options

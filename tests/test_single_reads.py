@@ -131,3 +131,23 @@ def test_corrupt_sample_is_skipped_or_raised_alike(packed, tmp_path):
     with pytest.raises(packio.errors.CorruptSampleError) as many:
         raising.__getitems__([2, 3])
     assert str(one.value) == str(many.value)
+
+
+def test_mix_streams_one_sample_like_its_batches(packed):
+    """A mix iterated one sample at a time (batch_size=1) yields what its batches hold,
+    ``source`` included."""
+    paths = [packed["lmdb"], packed["tar"]]
+    one = list(packio.mix(paths, epoch_samples=30, seed=3, resize=(20, 28)))
+    batched = [x for b in packio.DataLoader(packio.mix(paths, epoch_samples=30, seed=3, resize=(20, 28)),
+                                            batch_size=7) for x in _unbatch(b)]
+    assert len(one) == len(batched) == 30 and {x["source"] for x in one} == {0, 1}
+    for got, ref in zip(one, batched):
+        assert got["key"] == ref["key"] and got["source"] == ref["source"] and got["index"] == ref["index"]
+        assert torch.equal(got["image"], ref["image"]) and torch.equal(got["boxes"], ref["boxes"])
+        assert got["label"] == ref["label"] and torch.equal(got["box_labels"], ref["box_labels"])
+
+
+def _unbatch(b: dict) -> list[dict]:
+    return [{"image": b["image"][j], "label": int(b["label"][j]), "boxes": b["boxes"][j],
+             "box_labels": b["box_labels"][j], "key": b["key"][j], "index": int(b["index"][j]),
+             "source": int(b["source"][j])} for j in range(len(b["key"]))]
