@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-__all__ = ["Batch", "Ragged", "ragged", "batch_buffer", "stack_images", "unpack", "collate"]
+__all__ = ["Batch", "Ragged", "ragged", "batch_buffer", "item", "stack_images", "unpack", "collate"]
 
 Item = dict[str, Any]
 
@@ -62,6 +62,12 @@ def batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
     return default_collate([torch.zeros((), dtype=torch.uint8).expand(shape)])[0]
 
 
+def item(image: Any, label: int, boxes: torch.Tensor, box_labels: torch.Tensor, key: str, index: int) -> Item:
+    """One sample's dict: the one place its fields are named (a batch's samples and
+    ``ds[i]`` alike)."""
+    return {"image": image, "label": label, "boxes": boxes, "box_labels": box_labels, "key": key, "index": index}
+
+
 class Batch(Sequence):
     """One batch, column by column, as packio's datasets make it: ``image`` (one
     ``[B, C, H, W]`` tensor when every image has one shape, else a list), ``label`` /
@@ -92,8 +98,7 @@ class Batch(Sequence):
             images = self.image.unbind(0) if isinstance(self.image, torch.Tensor) else self.image
             boxes, box_labels = self.boxes.split(self.counts), self.box_labels.split(self.counts)
             rows = zip(images, self.label.tolist(), boxes, box_labels, self.key, self.index.tolist())
-            self._items = [{"image": im, "label": lab, "boxes": b, "box_labels": bl, "key": k, "index": i}
-                           for im, lab, b, bl, k, i in rows]
+            self._items = [item(*row) for row in rows]
             if self.kept is not None:
                 self._items = [x if ok else None for x, ok in zip(self._items, self.kept)]
         return self._items

@@ -80,7 +80,7 @@ class PackedDataset(Dataset):
         return len(self.reader)
 
     def __getitem__(self, i: int) -> Item | None:
-        return self.items.get([self.reader.check_index(i)])[0]
+        return self.items.one(self.reader.check_index(i))
 
     def __getitems__(self, indices: list[int]) -> Batch:
         """The batch, read in one go: a list-like :class:`packio.collation.Batch` of
@@ -379,6 +379,10 @@ class PackedIterableDataset(_Resumable, IterableDataset):
     def _stream(self, seq: np.ndarray, p: _Pass) -> Iterator[Batch | Item | None]:
         step = p.chunk
         for a in range(p.taken, len(seq), step):
+            if step == 1 and not self.whole_batches:  # one sample at a time: no batch built around it
+                p.taken += 1
+                yield self.items.one(int(seq[a]))
+                continue
             batch = self.items.get(seq[a:a + step])
             if self.whole_batches:  # packio.DataLoader's: one Batch per step
                 if self.drop_last and len(batch) < step:

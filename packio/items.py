@@ -21,7 +21,7 @@ import torch
 
 from packio import decode as dec
 from packio import geometry as geo
-from packio.collation import Batch, batch_buffer, stack_images
+from packio.collation import Batch, batch_buffer, item, stack_images
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
 from packio.formats.base import Reader, StoredBatch
@@ -121,8 +121,9 @@ def _boxes_for(sample: Sample, out_h: int, out_w: int) -> np.ndarray:
 
 def chw(hwc: np.ndarray | torch.Tensor) -> torch.Tensor:
     """A CHW tensor view of HWC pixels (no copy; a read-only array is copied once)."""
-    if isinstance(hwc, np.ndarray):
-        hwc = torch.from_numpy(hwc if hwc.flags.writeable and hwc.flags.c_contiguous else np.array(hwc))
+    if isinstance(hwc, np.ndarray):  # numpy's transpose, then one tensor: half the cost of a torch permute
+        return torch.from_numpy((hwc if hwc.flags.writeable and hwc.flags.c_contiguous else np.array(hwc))
+                                .transpose(2, 0, 1))
     return hwc.permute(2, 0, 1)
 
 
@@ -135,8 +136,9 @@ class Decoder:
         self.backend, self.verify = options.backend, options.verify
 
     def one(self, s: Sample, out: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
-        """``(image, boxes)`` of one sample; with ``out`` (a ``uint8[h, w, 3]`` row of the
-        batch buffer) the pixels are resized into it and the image is ``None``."""
+        """``(image, boxes)`` of one sample (boxes: a fresh ``float32[N, 4]`` array); with
+        ``out`` (a ``uint8[h, w, 3]`` row of the batch buffer) the pixels are resized into
+        it and the image is ``None``."""
         if self.verify:
             verify(s)
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
@@ -153,6 +155,13 @@ class Decoder:
             if self.transform is not None:
                 image = self.transform(image)
         return image, _boxes_for(s, img.shape[0], img.shape[1])
+
+    def item(self, s: Sample, index: int) -> Item:
+        """Sample ``index`` (stored as ``s``) as the per-sample dict of a batch holding it:
+        the same stages (:meth:`one`), without building a batch around it."""
+        image, boxes = self.one(s)  # boxes: a fresh float32[N, 4] array
+        return item(image, int(s.label), torch.from_numpy(boxes),
+                    torch.from_numpy(np.array(s.box_labels, np.int64).reshape(-1)), s.key, index)
 
     @staticmethod
     def block(stored: StoredBatch) -> Batch:
@@ -200,7 +209,10 @@ class Decoder:
 class Items:
     """What the datasets call: indices → one :class:`Batch`, by one route: the reader's
     :meth:`~Reader.read_batch`, then the decoder. A fixed-shape raw format with nothing
-    to decode, resize, transform or verify hands its pixel block on as it is."""
+    to decode, resize, transform or verify hands its pixel block on as it is.
+    :meth:`one` (``ds[i]``) reads one sample through the same per-sample stages
+    (:meth:`Decoder.one`) without a batch around it: a batch's cost was twice the
+    sample's on tiny images (tests/test_single_reads.py: both hand out the same dicts)."""
 
     def __init__(self, path: str | Path, format_name: str | None, options: DecodeOptions) -> None:
         self.options = options
@@ -243,6 +255,14 @@ class Items:
             if stored is not None and stored.pixels is not None:
                 return self.decoder.block(stored)
         return self.decoder.samples(idx, self._samples(idx), self.pool, self.errors)
+
+    def one(self, i: int) -> Item | None:
+        """Sample ``i`` (a checked index) as :meth:`get` would hand it in a batch, without
+        the batch: read, then :meth:`Decoder.item`; ``None`` when skipped as corrupt."""
+        try:
+            return self.decoder.item(self.reader.read(i), i)
+        except PackioError as exc:
+            return self.errors(exc)
 
     def _samples(self, idx: np.ndarray) -> Callable[[int], Sample | PackioError]:
         """Sample ``j`` of the batch, each read on its own (a bad one is its error)."""

@@ -91,7 +91,7 @@ def _items(source: Any, options: DecodeOptions) -> tuple[Items, str]:
 
 class _Sources:
     """The sources' Items behind one global index: source ``s``'s sample ``i`` is
-    ``offsets[s] + i``. What the iterable dataset's stream calls (``get``, ``plan``)."""
+    ``offsets[s] + i``. What the iterable dataset's stream calls (``get``, ``one``, ``plan``)."""
 
     def __init__(self, items: list[Items]) -> None:
         self.items = items
@@ -106,6 +106,14 @@ class _Sources:
         for s, items in enumerate(self.items):
             if hasattr(items.reader, "plan"):
                 items.reader.plan(ids[src == s] - self.offsets[s])
+
+    def one(self, gid: int) -> dict[str, Any] | None:
+        """Global sample ``gid`` as one sample of a :class:`MixedBatch` holding it."""
+        s = int(np.searchsorted(self.offsets, gid, side="right")) - 1
+        got = self.items[s].one(gid - int(self.offsets[s]))
+        if got is not None:
+            got["source"] = s
+        return got
 
     def get(self, ids: Sequence[int]) -> MixedBatch:
         """One batch in the order of ``ids``: each source reads its part in one go."""

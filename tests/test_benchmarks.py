@@ -14,7 +14,8 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 SCRIPTS = {"loader.py": ["w1", "w2", "levers", "memory"], "convert.py": ["workers", "check", "dask"],
-           "remote.py": [None], "gpu.py": [None], "gpu_vs_dali.py": [None], "peers_dali.py": [None], "ab.py": [None]}
+           "remote.py": [None], "gpu.py": [None], "gpu_vs_dali.py": [None], "peers_dali.py": [None], "ab.py": [None],
+           "read_cpu.py": [None]}
 PEERS = ROOT.parent / "shared" / "peers" / "bench.py"
 
 
@@ -75,6 +76,14 @@ def test_w2_runs_end_to_end_on_tiny_data(gen_folder, tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("| packio nw=")]
     assert len(rows) == 4 and all(float(line.split("|")[2]) > 0 for line in rows), r.stdout
+
+
+def test_read_cpu_runs_end_to_end_on_tiny_data(tmp_path):
+    r = run(str(BENCH / "read_cpu.py"), "--cases", "lmdb-64", "arrays-64", "--n", "16", "--calls", "64",
+            "--rounds", "1", "--work", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith(("| lmdb-64", "| arrays-64"))]
+    assert len(rows) == 2 and all(float(row[3]) > 0 and float(row[5]) > 0 for row in rows), r.stdout
 
 
 def _has(module: str) -> bool:
