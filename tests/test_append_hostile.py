@@ -12,7 +12,7 @@ import packio
 from packio.errors import FormatError
 from packio.manifest import Manifest
 
-from test_append import make
+from test_append import contents, make
 
 
 def resign(path: Path, raw: dict[str, Any]) -> None:
@@ -63,3 +63,20 @@ def test_hostile_parts_refused(tmp_path: Path, edit: Callable[[Path, dict[str, A
         packio.open_reader(ds)
     with pytest.raises(FormatError, match=words):
         packio.verify(ds)
+
+
+def test_append_never_removes_a_listed_part_spelled_otherwise(tmp_path: Path) -> None:
+    srcs = [make(tmp_path / t, ["x", "y"], 1, t) for t in "abcd"]
+    ds = tmp_path / "ds.wds"
+    packio.convert(srcs[0], ds, progress=False, workers=0)
+    for src in srcs[1:3]:
+        packio.convert(src, ds, append=True, progress=False, workers=0)
+    raw = json.loads((ds / "packio.json").read_text())  # a hand edit: part 1 dropped, part 2 spelled "./..."
+    parts = raw["extra"]["parts"]
+    raw["count"] -= parts.pop(1)["count"]
+    parts[1]["path"] = "./part-00002.wds"
+    resign(ds / "packio.json", raw)
+    before = [k for k, _ in contents(ds)]
+    packio.convert(srcs[3], ds, append=True, progress=False, workers=0)
+    assert [k for k, _ in contents(ds)] == [*before, "x/d0.png", "y/d0.png"]
+    assert packio.verify(ds).ok
