@@ -5,6 +5,7 @@ leaves one upload's bytes cached under another's identity)."""
 from __future__ import annotations
 
 import http.server
+import os
 import io
 import tarfile
 import threading
@@ -146,3 +147,19 @@ def test_whole_file_object_without_a_size_is_refused_undownloaded(flipping, tmp_
         packio.open_dataset(f"{flipping.url}/d.h5", cache_dir=tmp_path / "c", **FAST)
     assert flipping.sent <= 4 << 20  # what the size probe read, not the endless body
     assert sum(p.stat().st_size for p in (tmp_path / "c").rglob("*") if p.is_file()) < 1 << 20
+
+
+def test_identity_downloads_of_killed_opens_are_removed(flipping, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    cache = tmp_path / "c"
+    cache.mkdir()
+    left, live = cache / f".identity-{dead}-0123abcd", cache / f".identity-{os.getpid()}-4567cdef"
+    left.write_bytes(b"\0" * 4096)  # what a kill -9 during the identity download leaves
+    live.write_bytes(b"\0" * 16)  # another open, still running
+    flipping.files["d.h5"] = _h5(tmp_path, "cat dog cat dog")
+    packio.open_dataset(f"{flipping.url}/d.h5", cache_dir=cache, **FAST)
+    assert not left.exists() and live.exists()
