@@ -30,10 +30,15 @@ class MultiPartReader(Reader):
                 for p in parts):
             raise FormatError(f"{path}: manifest 'parts' is malformed; re-pack the dataset")
         self.parts: list[Reader] = []
+        seen: set[Path] = set()
         for p in parts:
             reader = self._part(path, p, manifest, spec)
             if len(reader) != p["count"]:
-                raise FormatError(f"{sub}: holds {len(reader)} samples, the manifest says {p['count']}")
+                raise FormatError(f"{reader.path}: holds {len(reader)} samples, {path / MANIFEST_NAME} says "
+                                  f"{p['count']}; the dataset is damaged, re-pack it")
+            if reader.path.resolve() in seen:  # one folder's samples read twice: wrong data
+                raise FormatError(f"{path}: part {p['path']!r} is listed twice; the dataset is damaged, re-pack it")
+            seen.add(reader.path.resolve())
             self.parts.append(reader)
         self.starts = np.concatenate([[0], np.cumsum([len(r) for r in self.parts])]).astype(np.int64).tolist()
         if self.starts[-1] != manifest.count:
@@ -46,7 +51,10 @@ class MultiPartReader(Reader):
         the part names."""
         sub = inside(path, p["path"])
         if sub != path.resolve():
-            return spec.reader(sub, spec.reader.read_manifest(sub))
+            m = spec.reader.read_manifest(sub)
+            if m.format != manifest.format or "parts" in m.extra:
+                raise FormatError(f"{sub}: not a {manifest.format} part; the dataset is damaged, re-pack it")
+            return spec.reader(sub, m)
         name = p.get("manifest")
         if not isinstance(name, str) or name == MANIFEST_NAME or "/" in name:
             raise FormatError(f"{path}: part {p['path']!r} is the dataset itself; re-pack the dataset")

@@ -118,7 +118,8 @@ def part_name(dst: Path, old: Manifest) -> str:
     for p in dst.glob(f".*{TMP_MARK}*"):
         if stale(p):
             remove(p)
-    listed = {p.get("path") for p in old.extra.get("parts", []) if isinstance(p, dict)}
+    listed = {os.path.normpath(p["path"]) for p in old.extra.get("parts", [])  # "./x", "x/": the same folder
+              if isinstance(p, dict) and isinstance(p.get("path"), str)}
     suffix = get_format(old.format).suffixes[0]
     k = max(len(listed), 1)
     while f"part-{k:05d}{suffix}" in listed:

@@ -151,6 +151,10 @@ class Cache:
         tmp = self.root / f".identity-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            for left in self.root.glob(".identity-*"):  # killed opens' downloads: no eviction pass sees them
+                pid = left.name.split("-")[1]
+                if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                    left.unlink(missing_ok=True)
             store.get(rel, tmp, size)
             return "xxh3:" + file_digest(tmp)
         except OSError as exc:

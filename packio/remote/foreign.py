@@ -53,8 +53,9 @@ def _split(pattern: str) -> tuple[str, list[str]]:
     return prefix.rstrip("/"), names
 
 
-def _identity(store: Store, cache: Cache, name: str) -> tuple[int, list[str]]:
-    """A shard's size (it bounds the download) and what tells one upload of it from another."""
+def _identity(store: Store, cache: Cache, name: str) -> tuple[int, list[str], str | None]:
+    """A shard's size (it bounds the download), what tells one upload of it from another,
+    and (learnt from its content) the digest the cached copy must have."""
     info = store.info(name)
     size = info.get("size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -64,13 +65,14 @@ def _identity(store: Store, cache: Cache, name: str) -> tuple[int, list[str]]:
              if info.get(k)]
     if not ident:  # no validator: a same-size replacement would look unchanged; its content tells
         ident = [cache.content_identity(store, name, size)]
-    return size, ident
+        return size, ident, ident[0].removeprefix("xxh3:")
+    return size, ident, None
 
 
-def _scan(store: Store, cache: Cache, vdir: Path, name: str, k: int, size: int
+def _scan(store: Store, cache: Cache, vdir: Path, name: str, k: int, size: int, digest: str | None
           ) -> tuple[tuple[np.ndarray, list[str], list[int]], str]:
     """Download one shard into the cache (pinned meanwhile), scan it, digest it."""
-    pin = cache.fetch(store, name, vdir, (size, None))
+    pin = cache.fetch(store, name, vdir, (size, digest))
     try:
         try:
             return scan_shard(vdir / name, k, strict=False), file_digest(vdir / name)
@@ -92,9 +94,9 @@ def open_foreign(pattern: str, *, cache_dir: str | Path | None = None, cache_lim
     store = Store(base, storage_options, retry)
     with ThreadPoolExecutor(min(_THREADS, len(names)), thread_name_prefix="packio-fetch") as pool:
         ids = list(pool.map(lambda n: _identity(store, cache, n), names))
-        version = xxhash.xxh3_128_hexdigest(json.dumps([names, ids]).encode())[:16]
+        version = xxhash.xxh3_128_hexdigest(json.dumps([names, [i[:2] for i in ids]]).encode())[:16]
         vdir = cache.version_dir(redact(pattern), version)
-        scans = list(pool.map(lambda k: _scan(store, cache, vdir, names[k], k, ids[k][0]), range(len(names))))
+        scans = list(pool.map(lambda k: _scan(store, cache, vdir, names[k], k, *ids[k][::2]), range(len(names))))
     index, foreign, classes = gather([s for s, _ in scans])
     files: dict[str, FileInfo] = {n: (ids[k][0], scans[k][1]) for k, n in enumerate(names)}
     manifest = Manifest(format="tar", count=len(index), classes=classes,

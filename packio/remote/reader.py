@@ -133,15 +133,19 @@ def _open_single(store: Store, name: str, cache: Cache) -> Reader:
 
     info = store.info(name)
     size = info.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:  # an endless body would fill the disk
+        raise RemoteError(f"{store.url_of(name)}: the server gives no size for this file; packio needs one to "
+                          f"bound its download (serve it with a Content-Length)")
     ident = [str(info.get(k)) for k in ("ETag", "etag", "VersionId", "LastModified", "last_modified", "mtime")
              if info.get(k)]
     import xxhash
 
+    digest = None
     if not ident:  # no validator: a same-size replacement would look unchanged; its content tells
-        ident = [cache.content_identity(store, name, size if isinstance(size, int) else None)]
+        ident = [cache.content_identity(store, name, size)]
+        digest = ident[0].removeprefix("xxh3:")  # the fill must be that content (not a later upload)
     vdir = cache.version_dir(store.url_of(name), xxhash.xxh3_128_hexdigest(repr((size, ident)).encode())[:16])
-    _pin(vdir, cache.fetch_all(store, {name: (size if isinstance(size, int) else None, None)}, vdir, None,
-                               threads=1))
+    _pin(vdir, cache.fetch_all(store, {name: (size, digest)}, vdir, None, threads=1))
     return open_reader(vdir / name)
 
 
