@@ -70,7 +70,10 @@ def test_watch_slow_loader_is_input_bound():
     assert rep.wait_s == pytest.approx(truth_wait, rel=0.1, abs=0.005)
     assert rep.step_s == pytest.approx(truth_step, rel=0.1, abs=0.005)
     assert rep.wait_p50_ms == pytest.approx(np.percentile(loader.slept[1:], 50) * 1e3, abs=2)
-    assert rep.wait_p99_ms == pytest.approx(np.percentile(loader.slept[1:], 99) * 1e3, rel=0.2, abs=3)
+    p99 = np.percentile(loader.slept[1:], 99) * 1e3
+    # a measured wait is the sleep plus scheduling delay: never shorter, at times longer on a busy machine
+    # (near-max of 29 waits: one 11 ms hiccup failed a symmetric ±5 ms under two test processes)
+    assert p99 - 3 <= rep.wait_p99_ms <= p99 * 1.2 + 15
     lo, hi = rep.loader_alone_per_s  # a loader of unknown kind: a range that holds its true 1/20 ms
     assert lo <= 1 / np.mean(loader.slept[1:]) * 1.05 and hi >= 1 / np.mean(loader.slept[1:]) * 0.95
     assert "waits for data" in rep.text() and rep.advice
@@ -266,7 +269,7 @@ def test_cpu_seconds_counts_worker_processes():
 
 
 def test_watch_report_leads_with_the_verdict():
-    _, fast, *_ = run_loop(0.002, 0.020, n=20)  # the loader keeps up with a slow step
+    _, fast, *_ = run_loop(0.001, 0.040, n=20)  # the loader keeps up with a slow step (wide: a busy machine)
     first = fast.text().splitlines()[0]
     assert first.startswith("verdict: your loader keeps up: nothing to change"), fast.text()
     _, slow, *_ = run_loop(0.020, 0.002, n=20)  # the step waits for a slow loader
