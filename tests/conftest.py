@@ -192,12 +192,33 @@ def http_server(tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
-def torchrun_launches(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def session_http_server(tmp_path_factory: pytest.TempPathFactory):
+    """``http_server`` for the whole session (what the torchrun launches read), serving its own folder."""
+    pytest.importorskip("aiohttp", reason="remote tests need packio[remote] (aiohttp)")
+    from servers import RangeHTTPServer
+
+    server = RangeHTTPServer(tmp_path_factory.mktemp("www")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def torchrun_launches(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict:
     """The session's torchrun launches, one per world size, shared by test_ddp and test_mix
-    (tests/launches.py)."""
+    (tests/launches.py). test_mix's sources live on the session's HTTP and S3 servers,
+    asked for here so that they start in the process (the pytest-xdist worker) that
+    launches and serve until the session ends; where one cannot start, the launches run
+    without test_mix's legs (that test skips, saying why) and test_ddp's keep running."""
     from launches import run_all
 
-    return run_all(tmp_path_factory.mktemp("torchrun"))
+    try:
+        servers = {"http": request.getfixturevalue("session_http_server"),
+                   "s3": request.getfixturevalue("s3_server")}
+    except pytest.skip.Exception as exc:
+        servers = {"skip": f"the mix's servers: {exc}"}
+    return run_all(tmp_path_factory.mktemp("torchrun"), servers)
 
 
 def sealed(m: dict) -> dict:

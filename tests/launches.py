@@ -22,19 +22,22 @@ def torchrun(nproc: int, plan: dict, work: Path, tag: str) -> Path:
     (work / f"plan-{tag}.json").write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / "ddp_worker.py"), str(work / f"plan-{tag}.json"), str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=500,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    # the ranks find the S3 server through the AWS_* variables the s3_server fixture set; a cache of their own
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PACKIO_CACHE_DIR": str(work / "cache")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return out
 
 
-def run_all(work: Path) -> dict:
+def run_all(work: Path, servers: dict) -> dict:
     """Builds each module's data and plans, then launches once per world size:
-    ``{"ddp": ..., "mix": ..., "outs": {world: folder}}`` (each module's own return of ``plans``)."""
+    ``{"ddp": ..., "mix": ..., "outs": {world: folder}}`` (each module's own return of ``plans``).
+    ``servers``: the HTTP and S3 servers test_mix's sources live on (``{"http", "s3"}``,
+    or ``{"skip": why}`` where they could not start)."""
     from test_ddp import plans as ddp_plans
     from test_mix import plans as mix_plans
 
-    ddp, mix = ddp_plans(work / "ddp"), mix_plans(work / "mix")
+    ddp, mix = ddp_plans(work / "ddp"), mix_plans(work / "mix", servers)
     outs = {}
     for world in WORLDS:
         plan = {"scenarios": ddp["plans"][world] + mix["plans"][world]}

@@ -36,9 +36,23 @@ def paths(tmp_path_factory) -> list[str]:
     return [pack(root, *spec) for spec in SOURCES]
 
 
-def keys_of(paths: list[str]) -> list[set[str]]:
-    return [{packio.open_dataset(p, decode=False).sample(i).key for i in range(n)}
-            for p, (_, n, _, _) in zip(paths, SOURCES)]
+def keys_of(paths: list[str], lengths=tuple(n for _, n, _, _ in SOURCES)) -> list[set[str]]:
+    """Each source's keys (its first ``lengths[s]`` samples)."""
+    opened = [packio.open_dataset(p, decode=False) for p in paths]
+    return [{ds.sample(i).key for i in range(n)} for ds, n in zip(opened, lengths)]
+
+
+def _once_per_source_epoch(epochs: list[list[tuple[int, str]]], keys: list[set[str]]) -> list[list[list[str]]]:
+    """Asserts that each source's draws, read on across the mix epochs, are its own keys,
+    none twice within one of its source epochs; returns each source's source epochs."""
+    out = []
+    for s, want in enumerate(keys):
+        drawn = [k for seq in epochs for src, k in seq if src == s]
+        chunks = [drawn[a:a + len(want)] for a in range(0, len(drawn), len(want))]
+        for chunk in chunks:
+            assert len(set(chunk)) == len(chunk) and set(chunk) <= want, f"source {s}: repeat or foreign key"
+        out.append(chunks)
+    return out
 
 
 def run_epochs(ds, epochs: int) -> list[list[tuple[int, str]]]:
@@ -70,11 +84,7 @@ def test_per_epoch_counts_match_weights_and_each_source_sample_once_per_source_e
     epochs = run_epochs(packio.mix(paths, WEIGHTS, epoch_samples=100, seed=3, decode=False), 3)
     for seq in epochs:
         assert Counter(s for s, _ in seq) == {0: 50, 1: 30, 2: 20}
-    for s, want in enumerate(keys):
-        drawn = [k for seq in epochs for src, k in seq if src == s]
-        chunks = [drawn[a:a + len(want)] for a in range(0, len(drawn), len(want))]
-        for chunk in chunks:
-            assert len(set(chunk)) == len(chunk) and set(chunk) <= want, f"source {s}: repeat or foreign key"
+    for s, (want, chunks) in enumerate(zip(keys, _once_per_source_epoch(epochs, keys))):
         full = [c for c in chunks if len(c) == len(want)]
         assert len(full) >= 3 and len({tuple(c) for c in full}) == len(full), f"source {s} was not reshuffled"
     assert epochs[0] != epochs[1]
@@ -238,31 +248,65 @@ def _interleave(ranks: list[list[list]]) -> list[tuple[int, str]]:
 
 
 MIX_LEGS = ((2, 2, [0, 3]), (3, 0, [1, 2]), (1, 1, None))  # (ranks, num_workers, stop) of each leg
+MIX_LENGTHS = (16, 14, 13)  # local packed, foreign shards over HTTP, packed on S3: 60 = 30 + 18 + 12 draws each epoch
 
 
-def plans(work: Path) -> dict:
-    """This module's legs for the session's torchrun launches (tests/launches.py), over its
-    own copy of the sources: ``plans[world]``."""
+def _foreign_shards(folder: Path, n: int) -> str:
+    """``n`` samples (JPEG + .cls) in three tar shards written by ``webdataset.TarWriter``,
+    no packio.json; returns the brace pattern of their names."""
+    import webdataset as wds
+
+    folder.mkdir(parents=True)
+    for s in range(3):
+        with wds.TarWriter(str(folder / f"shard-{s:06d}.tar")) as sink:
+            for k in range(s, n, 3):
+                sink.write({"__key__": f"b{k:03d}", "jpg": jpeg(8, 8, 9000 + k), "cls": k % 2})
+    return "shard-{000000..000002}.tar"
+
+
+def plans(work: Path, servers: dict) -> dict:
+    """This module's legs for the session's torchrun launches (tests/launches.py): a mix of a
+    local packed dataset, foreign WebDataset shards on the HTTP server (a brace-pattern URL)
+    and a packed dataset on the S3 server: ``plans[world]``, and the sources."""
+    if "skip" in servers:
+        return {"skip": servers["skip"], "plans": {world: [] for world, _, _ in MIX_LEGS}}
     work.mkdir(parents=True)
-    paths = [pack(work, *spec) for spec in SOURCES]
+    http, s3 = servers["http"], servers["s3"]
+    pattern = _foreign_shards(http.root / "mix-b", MIX_LENGTHS[1])
+    s3.make_bucket("torchrun-mix")
+    pack(work, "c", MIX_LENGTHS[2], "wds", (16, 16), out="s3://torchrun-mix/c.wds")
+    paths = [pack(work, "a", MIX_LENGTHS[0], "lmdb", (8, 8)), f"{http.url}/mix-b/{pattern}", "s3://torchrun-mix/c.wds"]
     common = {"mix": True, "sources": paths, "weights": WEIGHTS, "epoch_samples": 60, "seed": 7, "batch_size": 4,
               "epochs": 2, "checkpoint": str(work / "ck.json")}
     return {"paths": paths, "plans": {world: [{**common, "name": f"mix-w{world}", "num_workers": workers, "stop": stop}]
                                       for world, workers, stop in MIX_LEGS}}
 
 
-def test_torchrun_resume_2_3_1_ranks_other_workers(torchrun_launches):
+def test_torchrun_resume_2_3_1_ranks_other_workers(torchrun_launches, tmp_path, monkeypatch):
     """Real processes: torchrun on 2 ranks stops mid epoch 0, on 3 ranks (other num_workers)
-    stops mid epoch 1, on 1 rank finishes; together they are the uninterrupted sequence."""
+    stops mid epoch 1, on 1 rank finishes, over a local source, foreign shards over HTTP and a
+    dataset on S3; together they are the uninterrupted sequence (read here from the same
+    URLs), each epoch takes each source's share, each source's samples once per source epoch."""
     import json
 
-    paths, outs = torchrun_launches["mix"]["paths"], torchrun_launches["outs"]
+    mix, outs = torchrun_launches["mix"], torchrun_launches["outs"]
+    if "skip" in mix:
+        pytest.skip(mix["skip"])
+    paths = mix["paths"]
+    assert paths[1].startswith("http://127.0.0.1:") and "{" in paths[1] and paths[2].startswith("s3://")
     seqs: dict[str, list] = {"0": [], "1": []}
     for world, _, _ in MIX_LEGS:
         ranks = [json.loads((outs[world] / f"mix-w{world}.rank{k}.json").read_text()) for k in range(world)]
         for e in seqs:
             if any(e in rk for rk in ranks):
                 seqs[e] += _interleave([rk.get(e, []) for rk in ranks])
+    counts = shares(WEIGHTS, list(MIX_LENGTHS), 60)
+    for e in seqs:
+        assert Counter(s for s, _ in seqs[e]) == dict(enumerate(counts)), f"epoch {e}: not the weights' shares"
+    monkeypatch.setenv("PACKIO_CACHE_DIR", str(tmp_path / "cache"))  # read from the servers again, not the ranks' cache
+    keys = keys_of(paths, MIX_LENGTHS)
+    assert [len(k) for k in keys] == list(MIX_LENGTHS)
+    _once_per_source_epoch([seqs["0"], seqs["1"]], keys)
     whole = run_epochs(packio.mix(paths, WEIGHTS, epoch_samples=60, seed=7, decode=False), 2)
     for e in (0, 1):
         assert seqs[str(e)] == whole[e], f"epoch {e}"
