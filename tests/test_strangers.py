@@ -195,7 +195,10 @@ def test_doctor_counts_one_damaged_record_and_goes_on(tmp_path):
 
     path = packio.convert(_many(tmp_path / "src", 300), tmp_path / "d.wds", progress=False).output
     index = np.load(Path(path) / "index.npy")
-    shard, off, size = (int(v) for v in index[150, [0, 3, 4]])
+    # the record the doctor samples first (its order is a seeded permutation): found however
+    # little a busy machine lets it sample in its seconds (#150 was missed under two test processes)
+    first = int(np.random.default_rng(0).permutation(300)[0])
+    shard, off, size = (int(v) for v in index[first, [0, 3, 4]])
     name = json.loads((Path(path) / "packio.json").read_text())["extra"]["shards"][shard]
     with open(Path(path) / name, "r+b") as f:
         f.seek(off)
@@ -204,7 +207,7 @@ def test_doctor_counts_one_damaged_record_and_goes_on(tmp_path):
     cg.mkdir()
     (cg / "cgroup.controllers").write_text("cpu")
     (cg / "cpu.max").write_text("100000 100000")
-    d = diagnose(path, size=32, batch_size=8, seconds=6, fraction=1.0, min_samples=300, max_samples=300,
+    d = diagnose(path, size=32, batch_size=8, seconds=6, fraction=1.0, min_samples=300, max_samples=300, seed=0,
                  cgroup_root=cg, work=tmp_path)
     assert d.stages.skipped >= 1 and any("did not decode" in n for n in d.notes), d.notes
     assert d.candidates and not [c.error for c in d.candidates if c.error]
