@@ -199,19 +199,24 @@ class SeaweedS3:
                 p.unlink(missing_ok=True)
 
 
-class _RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Static files with ``Range: bytes=a-b`` (206) support; counts GETs per path."""
+class Quiet:
+    """The frame of the tests' request handlers (mixed in before http.server's): HTTP/1.1,
+    no request log, GET and HEAD both answered by ``_serve(body)``."""
 
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, *args: Any) -> None:  # quiet
+    def log_message(self, *args: Any) -> None:
         pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self._serve(body=True)
+        self._serve(body=True)  # type: ignore[attr-defined]
 
     def do_HEAD(self) -> None:  # noqa: N802
-        self._serve(body=False)
+        self._serve(body=False)  # type: ignore[attr-defined]
+
+
+class _RangeHandler(Quiet, http.server.SimpleHTTPRequestHandler):
+    """Static files with ``Range: bytes=a-b`` (206) support; counts GETs per path."""
 
     def _serve(self, body: bool) -> None:
         path = Path(self.translate_path(self.path))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import sealed
-from servers import RangeHTTPServer
+from servers import Quiet, RangeHTTPServer
 
 import packio
 from packio.errors import (DatasetReplacedError, FormatError, OutputBusyError, RangeNotSupportedError,
@@ -25,21 +25,10 @@ pytest.importorskip("fsspec", reason="remote tests need packio[remote]")
 FAST = dict(retries=2, timeout=1.0, retry_seconds=3.0)
 
 
-class _Hostile(http.server.SimpleHTTPRequestHandler):
+class _Hostile(Quiet, http.server.SimpleHTTPRequestHandler):
     """Serves ``directory``; the server's ``mode`` makes it misbehave: ``stall`` (headers,
     then nothing), ``endless`` (a body without end, no length), ``norange`` (200 and the
     whole file whatever the Range)."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._serve(False)
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._serve(True)
 
     def _serve(self, body: bool) -> None:
         server = self.server
@@ -290,7 +279,7 @@ import json, shutil, sys, time
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 import packio
-from servers import RangeHTTPServer
+from servers import Quiet, RangeHTTPServer
 
 root = Path(sys.argv[2])
 srv = RangeHTTPServer(root).start()

@@ -10,31 +10,21 @@ import io
 import tarfile
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import cv2
 import numpy as np
 import pytest
+from servers import Quiet
 
 import packio
 
 FAST = dict(retries=2, timeout=2.0, retry_seconds=4.0)
 
 
-class _Flipping(http.server.BaseHTTPRequestHandler):
+class _Flipping(Quiet, http.server.BaseHTTPRequestHandler):
     """Serves ``server.files`` with a Content-Length and no validators; the ``server.flip_at``-th
     GET of an object gets ``server.other``'s bytes instead (an upload racing the open)."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._serve(False)
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._serve(True)
 
     def _serve(self, body: bool) -> None:
         s, name = self.server, self.path.lstrip("/")
