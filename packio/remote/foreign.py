@@ -23,11 +23,11 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from packio.errors import FormatError, RemoteError
+from packio.errors import FormatError
 from packio.formats.tar import TarReader, expand_pattern, gather, scan_shard
 from packio.manifest import Manifest, file_digest
 from packio.remote.cache import Cache, FileInfo
-from packio.remote.reader import RemoteTarReader, _safe_rel, settings
+from packio.remote.reader import RemoteTarReader, _safe_rel, identity, settings
 from packio.remote.store import Store, redact
 from packio.sample import Sample
 
@@ -51,22 +51,6 @@ def _split(pattern: str) -> tuple[str, list[str]]:
         raise FormatError(f"{redact(pattern)}: names {redact(bad)!r}, not a plain path below the pattern's "
                           f"folder; refusing it")
     return prefix.rstrip("/"), names
-
-
-def _identity(store: Store, cache: Cache, name: str) -> tuple[int, list[str], str | None]:
-    """A shard's size (it bounds the download), what tells one upload of it from another,
-    and (learnt from its content) the digest the cached copy must have."""
-    info = store.info(name)
-    size = info.get("size")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise RemoteError(f"{store.url_of(name)}: the server gives no size for this shard; packio needs one "
-                          f"to bound its download (serve it with a Content-Length)")
-    ident = [str(info.get(k)) for k in ("ETag", "etag", "VersionId", "LastModified", "last_modified", "mtime")
-             if info.get(k)]
-    if not ident:  # no validator: a same-size replacement would look unchanged; its content tells
-        ident = [cache.content_identity(store, name, size)]
-        return size, ident, ident[0].removeprefix("xxh3:")
-    return size, ident, None
 
 
 def _scan(store: Store, cache: Cache, vdir: Path, name: str, k: int, size: int, digest: str | None
@@ -93,7 +77,7 @@ def open_foreign(pattern: str, *, cache_dir: str | Path | None = None, cache_lim
     base, names = _split(pattern)
     store = Store(base, storage_options, retry)
     with ThreadPoolExecutor(min(_THREADS, len(names)), thread_name_prefix="packio-fetch") as pool:
-        ids = list(pool.map(lambda n: _identity(store, cache, n), names))
+        ids = list(pool.map(lambda n: identity(store, cache, n), names))
         version = xxhash.xxh3_128_hexdigest(json.dumps([names, [i[:2] for i in ids]]).encode())[:16]
         vdir = cache.version_dir(redact(pattern), version)
         scans = list(pool.map(lambda k: _scan(store, cache, vdir, names[k], k, *ids[k][::2]), range(len(names))))

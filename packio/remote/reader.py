@@ -124,26 +124,32 @@ def _pin(vdir: Path, pin: Pin) -> None:
         _PINNED[vdir] = pin
 
 
-def _open_single(store: Store, name: str, cache: Cache) -> Reader:
-    """One-file datasets (HDF5): cached whole, versioned by the object's identity (size,
-    ETag or version id, modification time), checked against its size when opened; a
-    server that gives neither ETag nor modification time has it downloaded at every open
-    to learn its digest (:meth:`Cache.content_identity`)."""
-    from packio.formats import open_reader
-
+def identity(store: Store, cache: Cache, name: str) -> tuple[int, list[str], str | None]:
+    """An object's size (it bounds the download: an endless body would fill the disk), what
+    tells one upload of it from another (ETag, version id, modification time) and, where
+    the server gives none of those, its content digest (:meth:`Cache.content_identity`),
+    which the cached copy must then have (not a later upload's bytes)."""
     info = store.info(name)
     size = info.get("size")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:  # an endless body would fill the disk
-        raise RemoteError(f"{store.url_of(name)}: the server gives no size for this file; packio needs one to "
-                          f"bound its download (serve it with a Content-Length)")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise RemoteError(f"{store.url_of(name)}: the server gives no size for it; packio needs one to bound "
+                          f"its download (serve it with a Content-Length)")
     ident = [str(info.get(k)) for k in ("ETag", "etag", "VersionId", "LastModified", "last_modified", "mtime")
              if info.get(k)]
+    if ident:
+        return size, ident, None
+    digest = cache.content_identity(store, name, size)  # a same-size replacement would look unchanged
+    return size, [digest], digest.removeprefix("xxh3:")
+
+
+def _open_single(store: Store, name: str, cache: Cache) -> Reader:
+    """One-file datasets (HDF5): cached whole, versioned by the object's :func:`identity`,
+    checked against its size when opened."""
     import xxhash
 
-    digest = None
-    if not ident:  # no validator: a same-size replacement would look unchanged; its content tells
-        ident = [cache.content_identity(store, name, size)]
-        digest = ident[0].removeprefix("xxh3:")  # the fill must be that content (not a later upload)
+    from packio.formats import open_reader
+
+    size, ident, digest = identity(store, cache, name)
     vdir = cache.version_dir(store.url_of(name), xxhash.xxh3_128_hexdigest(repr((size, ident)).encode())[:16])
     _pin(vdir, cache.fetch_all(store, {name: (size, digest)}, vdir, None, threads=1))
     return open_reader(vdir / name)
