@@ -168,7 +168,7 @@ class Reader(ABC):
     """Random access to stored samples. Handles open lazily, once per process, so a
     reader can be pickled into DataLoader workers (fork or spawn).
 
-    Every subclass's ``_open`` / ``read`` / ``read_many`` / ``read_batch`` is wrapped so
+    Every subclass's ``_open`` / ``read`` / ``key`` / ``read_many`` / ``read_batch`` is wrapped so
     that native errors become packio errors (see ``_guarded``)."""
 
     COUNT_FILE: str | None = None  # file (relative; "" = the path itself) whose size bounds the count
@@ -184,7 +184,7 @@ class Reader(ABC):
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        for name in ("_open", "read", "read_many", "read_batch"):
+        for name in ("_open", "read", "key", "read_many", "read_batch"):
             if name in cls.__dict__:
                 setattr(cls, name, _guarded(cls.__dict__[name], name == "_open"))
 
