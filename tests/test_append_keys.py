@@ -45,3 +45,41 @@ def test_append_key_check_reads_no_sample(tmp_path: Path, monkeypatch: pytest.Mo
     r = packio.open_reader(ds)
     assert sorted(r.read(i).key for i in range(len(r))) == sorted(f"{c}/{t}{i}.png" for t in "abc" for c in "xy"
                                                                   for i in range(3))
+
+
+NFC, NFD = "caf\u00e9", "cafe\u0301"  # the same text: é as one code point, and e + a combining accent
+
+
+def test_class_names_one_per_text_case_kept_with_a_note(tmp_path: Path) -> None:
+    """Folders named in NFC and NFD (Linux and macOS spellings of one name) are one class,
+    stored in NFC; ``Dog`` and ``dog`` stay two classes (two folders, as ImageFolder has
+    them), with a note in the summary. The same on append, where old ids stay."""
+    src = make(tmp_path / "a", [NFC, NFD, "dog"], 2, "a")
+    assert len({p.name for p in src.iterdir()}) == 3  # the filesystem keeps both spellings apart
+    ds = tmp_path / "ds.lmdb"
+    s = packio.convert(src, ds, progress=False, workers=0)
+    r = packio.open_reader(ds)
+    assert r.manifest.classes == [NFC, "dog"]
+    got = Counter(r.manifest.classes[r.read(i).label] for i in range(len(r)))
+    assert got == {NFC: 4, "dog": 2}
+    assert not any("case" in n for n in s.info["notes"])
+    more = make(tmp_path / "b", [NFD, "Dog"], 2, "b")
+    s = packio.convert(more, ds, append=True, progress=False, workers=0)
+    r = packio.open_reader(ds)
+    assert r.manifest.classes == [NFC, "dog", "Dog"]  # NFD joins the stored class; Dog is a new one
+    labels = {r.read(i).key: r.manifest.classes[r.read(i).label] for i in range(len(r))}
+    assert {k.split("/")[0]: v for k, v in labels.items()} == {NFC: NFC, NFD: NFC, "dog": "dog", "Dog": "Dog"}
+    assert [n for n in s.info["notes"] if "only in case" in n and "dog, Dog" in n], s.info["notes"]
+    fresh = packio.convert(make(tmp_path / "c", ["Dog", "dog"], 1, "c"), tmp_path / "c.lmdb", progress=False,
+                           workers=0)
+    assert fresh.manifest.classes == ["Dog", "dog"]
+    assert {n: c for n, c in fresh.info["notes"].items() if "only in case" in n} == {
+        "class names that differ only in case, kept as different classes (rename the folders or labels to merge "
+        "them): Dog, dog": 2}
+
+
+def test_append_to_names_stored_before_nfc_keeps_their_ids() -> None:
+    from packio.pack.append import merge_names
+
+    merged, ids = merge_names([NFD, "dog"], [NFC, "Dog", NFD, "emu"])
+    assert merged == [NFD, "dog", "Dog", "emu"] and ids.tolist() == [0, 2, 0, 3]

@@ -31,6 +31,7 @@ from packio.manifest import DIGEST, MANIFEST_NAME, Manifest, describe_files, fil
 from packio.options import PackOptions
 from packio.pack.commit import TMP_MARK, fsync_tree, remove, stale, temp_name
 from packio.pack.prepare import Packed, Result
+from packio.sources.names import class_name
 
 __all__ = ["BASE_PART", "existing", "stored_options", "merge_names", "Relabeled", "commit_part"]
 
@@ -75,14 +76,18 @@ def stored_options(dst: Path, m: Manifest, options: PackOptions) -> PackOptions:
 
 def merge_names(old: list[str], new: list[str]) -> tuple[list[str], np.ndarray]:
     """``old`` with the names of ``new`` it lacks appended (old ids never change), and
-    each ``new`` index's id in the merged list."""
+    each ``new`` index's id in the merged list. Names are compared as text (NFC, see
+    :mod:`packio.sources.names`): a dataset packed before names were stored in NFC
+    keeps its spelling, and the same name spelled otherwise gets its id."""
     merged = list(old)
-    at = {name: i for i, name in enumerate(merged)}
-    for name in new:
+    at: dict[str, int] = {}
+    for i, name in enumerate(merged):
+        at.setdefault(class_name(name), i)
+    for name in map(class_name, new):
         if name not in at:
             at[name] = len(merged)
             merged.append(name)
-    return merged, np.asarray([at[name] for name in new], np.int64)
+    return merged, np.asarray([at[class_name(name)] for name in new], np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
