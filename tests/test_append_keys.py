@@ -4,6 +4,8 @@ their text, ``info`` describing every part."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from packio.errors import PackioError
 from packio.formats import get_format
 
 from test_append import make
+from test_append_hostile import resign
 
 
 @pytest.mark.parametrize("fmt, opts", [("lmdb", {}), ("arrays", {"resize": packio.ResizeSpec(size=(8, 8))})])
@@ -83,3 +86,42 @@ def test_append_to_names_stored_before_nfc_keeps_their_ids() -> None:
 
     merged, ids = merge_names([NFD, "dog"], [NFC, "Dog", NFD, "emu"])
     assert merged == [NFD, "dog", "Dog", "emu"] and ids.tolist() == [0, 2, 0, 3]
+
+
+def _webdataset_samples(ds: Path) -> list[dict[str, Any]]:
+    """Every sample webdataset reads from the grown dataset's shards (the first part's in the
+    top folder, then each appended part's)."""
+    import webdataset as wds
+
+    shards = [str(s) for s in sorted(ds.glob("*.tar")) + sorted(ds.glob("*/*.tar"))]
+    return list(wds.WebDataset(shards, shardshuffle=False, empty_check=False))
+
+
+def _agree(ds: Path, samples: list[dict[str, Any]]) -> None:
+    """Each webdataset sample is packio's sample with that index: same key, bytes, label."""
+    r = packio.open_reader(ds)
+    assert len(samples) == len(r)
+    for s in samples:
+        got = r.read(int(s["__key__"]))
+        assert json.loads(s["json"])["key"] == got.key and s["png"] == got.payload and int(s["cls"]) == got.label
+
+
+def test_grown_wds_member_keys_unique_across_parts(tmp_path: Path) -> None:
+    srcs = [make(tmp_path / t, ["x", "y"], 3, t) for t in "abcd"]
+    ds = tmp_path / "ds.wds"
+    packio.convert(srcs[0], ds, progress=False, workers=0, shards=2)
+    for src in srcs[1:3]:
+        packio.convert(src, ds, append=True, progress=False, workers=0, shards=2)
+    samples = _webdataset_samples(ds)
+    keys = [s["__key__"] for s in samples]
+    assert len(keys) == len(set(keys)) == 18, Counter(keys).most_common(3)
+    _agree(ds, samples)
+    raw = json.loads((ds / "packio.json").read_text())  # a hand edit: the first appended part dropped
+    raw["count"] -= raw["extra"]["parts"].pop(1)["count"]
+    raw["files"] = {k: v for k, v in raw["files"].items() if not k.startswith("part-00001.wds/")}
+    resign(ds / "packio.json", raw)
+    shutil.rmtree(ds / "part-00001.wds")
+    packio.convert(srcs[3], ds, append=True, progress=False, workers=0)  # numbered past every listed part
+    keys = [s["__key__"] for s in _webdataset_samples(ds)]
+    assert len(keys) == len(set(keys)) == 18, Counter(keys).most_common(3)
+    assert packio.verify(ds).ok

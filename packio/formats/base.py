@@ -58,6 +58,7 @@ class WriteOptions:
     shards: int = 0  # tar: split ``expected`` samples evenly over this many shards
     expected: int = 0  # samples the writer will be given at most (the listing's length)
     fixed_shape: tuple[int, int] | None = None  # (h, w) when every image has it
+    first_key: int = 0  # tar: the first sample's member key (a part's place in the whole dataset)
 
 
 # The one record codec. Every format stores a sample's record (packio.sample.Sample.record)

@@ -20,7 +20,8 @@ from typing import Any, Callable
 from packio.errors import PackioError, SourceError
 from packio.formats.base import Reader
 from packio.options import PackOptions, merge_options
-from packio.pack.append import Relabeled, check_keys, commit_part, existing, merge_names, part_name, stored_options
+from packio.pack.append import (Relabeled, check_keys, commit_part, existing, first_key, merge_names, part_name,
+                                stored_options)
 from packio.pack.commit import check_output, output_lock, remove, staged, temp_name, terminate_cleanly
 from packio.pack.distributed import write_parts
 from packio.pack.plan import Source, check_request, declared_shape, open_source, output_format, plan
@@ -132,6 +133,7 @@ def _append(src: Path | Reader, dst: Path, options: PackOptions, packed: bool, c
     source.notes.update(case_notes(classes, since=len(old.classes)) + case_notes(
         box_classes or [], since=len(old.box_class_names()), what="box class"))  # the clashes this append makes
     job, fn = plan(output_format(dst, old.format), options, source, strict)
+    job = dataclasses.replace(job, write_options=dataclasses.replace(job.write_options, first_key=first_key(old)))
     name = part_name(dst, old)
     tmp = temp_name(dst / name)
     try:
