@@ -16,6 +16,7 @@ import packio
 from packio.errors import PackioError
 from packio.formats import get_format
 
+from conftest import jpeg
 from test_append import make
 from test_append_hostile import resign
 
@@ -125,3 +126,21 @@ def test_grown_wds_member_keys_unique_across_parts(tmp_path: Path) -> None:
     keys = [s["__key__"] for s in _webdataset_samples(ds)]
     assert len(keys) == len(set(keys)) == 18, Counter(keys).most_common(3)
     assert packio.verify(ds).ok
+
+
+def test_info_images_line_describes_every_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from packio.cli import main
+
+    a = make(tmp_path / "a", ["x", "y"], 2, "a")  # PNGs
+    b = tmp_path / "b"
+    for c in ("y", "z"):
+        (b / c).mkdir(parents=True)
+        for i in range(3):
+            (b / c / f"b{i}.jpg").write_bytes(jpeg(16, 20, seed=i))
+    ds = tmp_path / "ds.wds"
+    packio.convert(a, ds, progress=False, workers=0)
+    packio.convert(b, ds, append=True, progress=False, workers=0)
+    packio.convert(make(tmp_path / "c", ["x"], 1, "c"), ds, append=True, progress=False, workers=0)
+    assert main(["info", str(ds)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("images:"))
+    assert line == "images:   5 png, 6 jpeg: 5 png, 6 jpeg kept as found (not re-encoded)"
