@@ -144,3 +144,31 @@ def test_info_images_line_describes_every_part(tmp_path: Path, capsys: pytest.Ca
     assert main(["info", str(ds)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("images:"))
     assert line == "images:   5 png, 6 jpeg: 5 png, 6 jpeg kept as found (not re-encoded)"
+
+
+def test_verify_of_no_samples_says_nothing_was_verified(tmp_path: Path) -> None:
+    """Foreign shards holding no image packio reads, and a packio dataset of no samples:
+    both EMPTY, not OK, exit status 1."""
+    import tarfile
+    from io import BytesIO
+
+    from packio.cli import main
+    from packio.formats.base import WriteOptions
+    from packio.formats.tar import TarWriter
+    from packio.manifest import Manifest
+
+    shards = tmp_path / "foreign"
+    shards.mkdir()
+    with tarfile.open(shards / "shard-000000.tar", "w") as tf:
+        for name, data in (("a.txt", b"a caption"), ("a.cls", b"1"), ("b.json", b"{}")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, BytesIO(data))
+    writer = TarWriter(tmp_path / "empty.wds", WriteOptions())
+    writer.write_manifest(Manifest(format="tar", count=0, extra=writer.close()))
+    for path, why in ((str(shards / "shard-{000000..000000}.tar"), "no member of the shards is an image"),
+                      (str(shards), "no member of the shards is an image"),
+                      (str(tmp_path / "empty.wds"), "its manifest lists no samples")):
+        report = packio.verify(path)
+        assert not report.ok and report.text().startswith(f"{path}: EMPTY — 0 samples, nothing was verified: {why}")
+        assert main(["verify", path]) == 1
