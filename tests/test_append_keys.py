@@ -172,3 +172,17 @@ def test_verify_of_no_samples_says_nothing_was_verified(tmp_path: Path) -> None:
         report = packio.verify(path)
         assert not report.ok and report.text().startswith(f"{path}: EMPTY — 0 samples, nothing was verified: {why}")
         assert main(["verify", path]) == 1
+
+
+def test_csv_box_class_names_one_per_text(tmp_path: Path) -> None:
+    src = make(tmp_path / "a", ["x", "y"], 2, "a")
+    csv = tmp_path / "boxes.csv"
+    csv.write_text(f"filename,class,xmin,ymin,xmax,ymax\nx/a0.png,{NFD},1,1,5,5\nx/a1.png,{NFC},1,1,5,5\n"
+                   "y/a0.png,Dog,1,1,5,5\ny/a1.png,dog,1,1,5,5\n")
+    s = packio.convert(src, tmp_path / "ds.lmdb", csv=csv, progress=False, workers=0)
+    r = packio.open_reader(tmp_path / "ds.lmdb")
+    names = r.manifest.box_class_names()
+    assert names == ["Dog", NFC, "dog"]
+    assert {r.read(i).key: [names[j] for j in r.read(i).box_labels] for i in range(len(r))} == {
+        "x/a0.png": [NFC], "x/a1.png": [NFC], "y/a0.png": ["Dog"], "y/a1.png": ["dog"]}
+    assert [n for n in s.info["notes"] if n.startswith("box class names that differ only in case") and "Dog, dog" in n]
