@@ -33,7 +33,8 @@ from packio.pack.commit import TMP_MARK, fsync_tree, remove, stale, temp_name
 from packio.pack.prepare import Packed, Result
 from packio.sources.names import class_name
 
-__all__ = ["BASE_PART", "existing", "stored_options", "merge_names", "Relabeled", "first_key", "part_entry", "commit_part"]
+__all__ = ["BASE_PART", "existing", "stored_options", "merge_names", "Relabeled", "first_key", "part_entry",
+           "commit_part"]
 
 BASE_PART = "part-00000.json"  # the manifest of a single-part dataset's own files, once it has grown
 
