@@ -251,12 +251,12 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
     ``out``, so ``out`` bounds it (make it no larger than ``max_pixels`` allows).
     Raises ``ValueError`` when no backend can decode the bytes.
     """
-    enc = sniff(data)
-    if out is not None and enc == "jpeg" and backend in ("auto", "simplejpeg") and min_size is None \
-            and not apply_exif:
+    if out is not None and data[:3] == b"\xff\xd8\xff" and backend in ("auto", "simplejpeg") \
+            and min_size is None and not apply_exif:  # a JPEG (sniff's test, without its copy)
         got = _simplejpeg_into(data, strict, out)
         if got is not None:
             return got
+    enc = sniff(data)
     if enc not in ("jpeg", "png", "bmp", "webp"):
         raise ValueError(f"not a JPEG, PNG, BMP or WebP image ({enc or 'unknown type'})")
     check_pixels(*image_size(data, enc), max_pixels)
