@@ -314,6 +314,8 @@ class Reader(ABC):
         return [range(s, min(s + step, n)) for s in range(0, n, step)]
 
     def check_index(self, i: int) -> int:
+        if type(i) is int and 0 <= i < len(self):  # the common case, checked twice per ds[i]
+            return i
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
             raise TypeError(f"sample index must be an int, got {type(i).__name__}")
         n = len(self)
