@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,11 +38,34 @@ def _npy_header(shape: tuple[int, ...]) -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", _HEADER - 10) + body + b" " * pad + b"\n"
 
 
+_CHUNK = 8  # samples a thread copies per task: ~130 µs of 224 px pixels, so threads end within one chunk
+
+
 def _copy_rows(flat: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = flat[idx]``. np.take, even for a run of consecutive indices: as fast
     as one memcpy of the whole run (benchmarks/loader.py w2), so one path serves every batch.
     Indices are checked already; mode "raise" would buffer a copy of ``out``."""
     np.take(flat, idx, axis=0, out=out, mode="clip")
+
+
+def _gather(flat: np.ndarray, idx: np.ndarray, threads: Any, columns: Callable[[], Any]) -> tuple[np.ndarray, Any]:
+    """A fresh block ``flat[idx]`` and ``columns()``. With ``threads`` (a DecodeThreads),
+    its threads and the caller take tasks from one queue: copies of ``_CHUNK`` rows
+    (numpy copies without the GIL: one core does not reach the memory bandwidth,
+    benchmarks/loader.py w2) and, second, ``columns()``, which then runs while another
+    thread copies instead of after the whole copy (benchmarks/loader.py w2cpu)."""
+    out = np.empty((len(idx), *flat.shape[1:]), np.uint8)  # numpy's: THP-advised, unlike torch.empty
+    if threads is None or threads.count <= 1 or len(idx) <= _CHUNK:
+        _copy_rows(flat, idx, out)
+        return out, columns()
+    cuts = list(range(0, len(idx), _CHUNK)) + [len(idx)]
+    tasks: list[Any] = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+    tasks.insert(1, None)  # the columns: a thread that took the first copy copies while they are made
+
+    def run(j: int) -> Any:
+        rows = tasks[j]
+        return columns() if rows is None else _copy_rows(flat, idx[rows], out[rows])
+    return out, threads.map(run, len(tasks))[1]
 
 
 class ArrayWriter(Writer):
@@ -170,22 +193,16 @@ class ArrayReader(Reader):
 
     def read_batch(self, indices: Any, threads: Any = None) -> StoredBatch:
         """One gather of the batch's pixels into a fresh block (``threads`` share the
-        copy), and its labels and boxes sliced from the columns: no per-sample records."""
+        copy, see :func:`_gather`), and its labels and boxes sliced from the columns: no
+        per-sample records."""
         self._ensure_open()
         idx = self.check_indices(indices)
         columns, keys = self._meta()
         self._h_guard.check()  # the maps still hold what their headers claim
-        flat = self._h_flat
-        out = np.empty((len(idx), *flat.shape[1:]), np.uint8)
-        k = min(threads.count, len(idx)) if threads is not None else 1
-        if k <= 1:
-            _copy_rows(flat, idx, out)
-        else:  # numpy copies without the GIL: one core does not reach the memory bandwidth (benchmarks/loader.py w2)
-            cuts = [len(idx) * j // k for j in range(k + 1)]
-            threads.map(lambda j: _copy_rows(flat, idx[cuts[j]:cuts[j + 1]], out[cuts[j]:cuts[j + 1]]), k)
-        labels, boxes, box_labels, counts = columns.take(idx)
+        out, (labels, boxes, box_labels, counts, names) = _gather(
+            self._h_flat, idx, threads, lambda: (*columns.take(idx), keys[idx].tolist()))
         return StoredBatch(idx, pixels=out, labels=labels, boxes=boxes, counts=counts, box_labels=box_labels,
-                           keys=keys[idx].tolist())
+                           keys=names)
 
     def images(self) -> np.ndarray:
         """The memory-mapped ``uint8[N, H, W, 3]`` array itself."""
