@@ -56,8 +56,9 @@ def _gather(flat: np.ndarray, idx: np.ndarray, threads: Any, columns: Callable[[
     thread copies instead of after the whole copy (benchmarks/loader.py w2cpu)."""
     out = np.empty((len(idx), *flat.shape[1:]), np.uint8)  # numpy's: THP-advised, unlike torch.empty
     if threads is None or threads.count <= 1 or len(idx) <= _CHUNK:
+        made = columns()  # first: after the copy they would start with caches full of pixels
         _copy_rows(flat, idx, out)
-        return out, columns()
+        return out, made
     cuts = list(range(0, len(idx), _CHUNK)) + [len(idx)]
     tasks: list[Any] = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
     tasks.insert(1, None)  # the columns: a thread that took the first copy copies while they are made
