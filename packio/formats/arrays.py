@@ -38,7 +38,7 @@ def _npy_header(shape: tuple[int, ...]) -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", _HEADER - 10) + body + b" " * pad + b"\n"
 
 
-_CHUNK = 8  # samples a thread copies per task: ~130 µs of 224 px pixels, so threads end within one chunk
+_TASK_BYTES = 1_250_000  # pixels a thread copies per task: 8 rows of 224 px (~130 µs), so threads end close
 
 
 def _copy_rows(flat: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
@@ -50,22 +50,23 @@ def _copy_rows(flat: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
 
 def _gather(flat: np.ndarray, idx: np.ndarray, threads: Any, columns: Callable[[], Any]) -> tuple[np.ndarray, Any]:
     """A fresh block ``flat[idx]`` and ``columns()``. With ``threads`` (a DecodeThreads),
-    its threads and the caller take tasks from one queue: copies of ``_CHUNK`` rows
+    its threads and the caller take tasks from one queue: copies of ``_TASK_BYTES``
     (numpy copies without the GIL: one core does not reach the memory bandwidth,
     benchmarks/loader.py w2) and, second, ``columns()``, which then runs while another
     thread copies instead of after the whole copy (benchmarks/loader.py w2cpu)."""
     out = np.empty((len(idx), *flat.shape[1:]), np.uint8)  # numpy's: THP-advised, unlike torch.empty
-    if threads is None or threads.count <= 1 or len(idx) <= _CHUNK:
+    rows = max(1, _TASK_BYTES // max(1, flat.strides[0]))
+    if threads is None or threads.count <= 1 or len(idx) <= rows:  # a batch of one task: the caller copies it
         made = columns()  # first: after the copy they would start with caches full of pixels
         _copy_rows(flat, idx, out)
         return out, made
-    cuts = list(range(0, len(idx), _CHUNK)) + [len(idx)]
+    cuts = list(range(0, len(idx), rows)) + [len(idx)]
     tasks: list[Any] = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
     tasks.insert(1, None)  # the columns: a thread that took the first copy copies while they are made
 
     def run(j: int) -> Any:
-        rows = tasks[j]
-        return columns() if rows is None else _copy_rows(flat, idx[rows], out[rows])
+        part = tasks[j]
+        return columns() if part is None else _copy_rows(flat, idx[part], out[part])
     return out, threads.map(run, len(tasks))[1]
 
 
