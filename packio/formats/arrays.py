@@ -57,9 +57,8 @@ def _gather(flat: np.ndarray, idx: np.ndarray, threads: Any, columns: Callable[[
     out = np.empty((len(idx), *flat.shape[1:]), np.uint8)  # numpy's: THP-advised, unlike torch.empty
     rows = max(1, _TASK_BYTES // max(1, flat.strides[0]))
     if threads is None or threads.count <= 1 or len(idx) <= rows:  # a batch of one task: the caller copies it
-        made = columns()  # first: after the copy they would start with caches full of pixels
         _copy_rows(flat, idx, out)
-        return out, made
+        return out, columns()
     cuts = list(range(0, len(idx), rows)) + [len(idx)]
     tasks: list[Any] = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
     tasks.insert(1, None)  # the columns: a thread that took the first copy copies while they are made
