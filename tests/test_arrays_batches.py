@@ -41,7 +41,7 @@ def test_arrays_batches_are_whole_gathers_into_fresh_buffers(arrays, monkeypatch
         raise AssertionError("the per-sample route was used")
 
     monkeypatch.setattr(Decoder, "samples", per_sample)
-    arrays.items.threads = 2  # batches this small are one copy task (the threaded split: the test below)
+    arrays.items.threads = 2  # 2 threads share each copy
     loader = packio.DataLoader(arrays, batch_size=5, shuffle=shuffle)
     kept = list(loader)  # every batch kept alive: none may be overwritten by a later one
     assert len({b["image"].data_ptr() for b in kept}) == len(kept)
@@ -129,29 +129,3 @@ def test_tar_stream_batches_are_one_decoded_buffer(gen_folder, tmp_path, monkeyp
             assert torch.equal(b["boxes"][j], ref[i]["boxes"])
             seen.append(i)
     assert sorted(seen) == list(range(len(ref)))
-
-
-def test_threads_share_a_batch_copy_in_small_tasks_beside_the_columns(tmp_path, monkeypatch):
-    """threads=2: the copy is split in small tasks both threads take (no thread holds half a
-    batch while the other idles), the columns are one more task; the batches are exact, and
-    an error making the columns surfaces (no half-made batch)."""
-    from packio.bench.synth import make_photo_folder
-    from packio.formats import arrays as fmt
-
-    src, csv = make_photo_folder(tmp_path / "src", 40, size=(40, 56))
-    packio.convert(src, tmp_path / "d.arrays", csv=csv, resize=packio.ResizeSpec(size=(24, 32)), progress=False)
-    ds = packio.open_dataset(tmp_path / "d.arrays", threads=2)
-    monkeypatch.setattr(fmt, "_TASK_BYTES", 8 * 24 * 32 * 3)  # tasks of 8 rows, as of 224 px images
-    sizes: list[int] = []
-    copy = fmt._copy_rows
-    monkeypatch.setattr(fmt, "_copy_rows", lambda flat, idx, out: (sizes.append(len(idx)), copy(flat, idx, out)))
-    kept = list(packio.DataLoader(ds, batch_size=30, shuffle=True))
-    assert sorted(_check(ds, kept)) == list(range(40))
-    assert sum(sizes) == 40 and max(sizes) < 30 // 2, sizes
-
-    def broken(*_: object) -> None:
-        raise packio.errors.FormatError("columns broke")
-
-    monkeypatch.setattr(Columns, "take", broken)
-    with pytest.raises(packio.errors.FormatError, match="columns broke"):
-        ds.reader.read_batch(list(range(30)), ds.items.pool)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from array import array
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -38,35 +38,11 @@ def _npy_header(shape: tuple[int, ...]) -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", _HEADER - 10) + body + b" " * pad + b"\n"
 
 
-_TASK_BYTES = 1_250_000  # pixels a thread copies per task: 8 rows of 224 px (~130 µs), so threads end close
-
-
 def _copy_rows(flat: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = flat[idx]``. np.take, even for a run of consecutive indices: as fast
     as one memcpy of the whole run (benchmarks/loader.py w2), so one path serves every batch.
     Indices are checked already; mode "raise" would buffer a copy of ``out``."""
     np.take(flat, idx, axis=0, out=out, mode="clip")
-
-
-def _gather(flat: np.ndarray, idx: np.ndarray, threads: Any, columns: Callable[[], Any]) -> tuple[np.ndarray, Any]:
-    """A fresh block ``flat[idx]`` and ``columns()``. With ``threads`` (a DecodeThreads),
-    its threads and the caller take tasks from one queue: copies of ``_TASK_BYTES``
-    (numpy copies without the GIL: one core does not reach the memory bandwidth,
-    benchmarks/loader.py w2) and, second, ``columns()``, which then runs while another
-    thread copies instead of after the whole copy (benchmarks/loader.py w2cpu)."""
-    out = np.empty((len(idx), *flat.shape[1:]), np.uint8)  # numpy's: THP-advised, unlike torch.empty
-    rows = max(1, _TASK_BYTES // max(1, flat.strides[0]))
-    if threads is None or threads.count <= 1 or len(idx) <= rows:  # a batch of one task: the caller copies it
-        _copy_rows(flat, idx, out)
-        return out, columns()
-    cuts = list(range(0, len(idx), rows)) + [len(idx)]
-    tasks: list[Any] = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
-    tasks.insert(1, None)  # the columns: a thread that took the first copy copies while they are made
-
-    def run(j: int) -> Any:
-        part = tasks[j]
-        return columns() if part is None else _copy_rows(flat, idx[part], out[part])
-    return out, threads.map(run, len(tasks))[1]
 
 
 class ArrayWriter(Writer):
@@ -194,16 +170,22 @@ class ArrayReader(Reader):
 
     def read_batch(self, indices: Any, threads: Any = None) -> StoredBatch:
         """One gather of the batch's pixels into a fresh block (``threads`` share the
-        copy, see :func:`_gather`), and its labels and boxes sliced from the columns: no
-        per-sample records."""
+        copy), and its labels and boxes sliced from the columns: no per-sample records."""
         self._ensure_open()
         idx = self.check_indices(indices)
         columns, keys = self._meta()
         self._h_guard.check()  # the maps still hold what their headers claim
-        out, (labels, boxes, box_labels, counts, names) = _gather(
-            self._h_flat, idx, threads, lambda: (*columns.take(idx), keys[idx].tolist()))
+        flat = self._h_flat
+        out = np.empty((len(idx), *flat.shape[1:]), np.uint8)
+        k = min(threads.count, len(idx)) if threads is not None else 1
+        if k <= 1:
+            _copy_rows(flat, idx, out)
+        else:  # numpy copies without the GIL: one core does not reach the memory bandwidth (benchmarks/loader.py w2)
+            cuts = [len(idx) * j // k for j in range(k + 1)]
+            threads.map(lambda j: _copy_rows(flat, idx[cuts[j]:cuts[j + 1]], out[cuts[j]:cuts[j + 1]]), k)
+        labels, boxes, box_labels, counts = columns.take(idx)
         return StoredBatch(idx, pixels=out, labels=labels, boxes=boxes, counts=counts, box_labels=box_labels,
-                           keys=names)
+                           keys=keys[idx].tolist())
 
     def images(self) -> np.ndarray:
         """The memory-mapped ``uint8[N, H, W, 3]`` array itself."""
