@@ -2,6 +2,8 @@
 
     w1      W1 (decode + resize 224, batches of 64) vs L1, each run a fresh process; --compare A/B
     w2      W2 (pre-resized uint8 arrays) vs the memcpy limit L2, in one process
+    w2cpu   W2 CPU µs per sample (process and main-thread CPU time) of packio nw=0 (1 and 2 threads)
+            vs the peers harness's L2 (batch memcpy into one reused buffer), consumed as the harness does
     levers  micro-benchmarks behind the read-path choices (resize, stacking, gather, worker IPC)
     memory  peak memory (PSS, process tree) of packio's HDF5 reader vs a plain h5py reader
 """
@@ -13,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -198,6 +201,115 @@ def w2(argv: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- w2cpu
+
+def _harness_pad(boxes: list[Any]) -> Any:
+    """The peers harness's box padding (its ``_pad_list``): torch's pad_sequence to [B, 8, 4]."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+
+    out = pad_sequence([b[:8] for b in boxes], batch_first=True, padding_value=-1.0)
+    if out.shape[1] < 8:
+        out = torch.nn.functional.pad(out, (0, 0, 0, 8 - out.shape[1]), value=-1.0)
+    return out
+
+
+def _w2cpu_cases(path: str, pad: bool) -> dict[str, Callable[[], int]]:
+    """One epoch each (returns its samples): L2 as the harness measures it, packio's gather
+    alone, and packio.DataLoader (nw=0, 1 and 2 threads) consumed as the harness does."""
+    import numpy as np
+
+    import packio
+
+    flat = np.asarray(np.load(Path(path) / "images.npy", mmap_mode="r"))
+    need(range(len(flat)), f"samples in {path}", "pass a non-empty .arrays dataset")
+    size = min(BATCH, len(flat))  # a tiny dataset: one smaller batch
+    starts = range(0, len(flat) - size + 1, size)
+    reused = np.empty((size, *flat.shape[1:]), np.uint8)
+
+    def l2() -> int:  # the harness's L2 batch64: copies of 64 consecutive samples into one buffer
+        for s in starts:
+            np.copyto(reused, flat[s:s + size])
+        return len(starts) * size
+
+    def gather() -> int:  # what packio's read_batch copies: a fresh buffer per batch, the last one held
+        held = None
+        for s in starts:
+            held = np.empty_like(reused)
+            np.take(flat, np.arange(s, s + size), axis=0, out=held, mode="clip")
+        return len(starts) * size
+
+    def loader(threads: int) -> Callable[[], int]:
+        dl = packio.DataLoader(packio.open_dataset(path, threads=threads), batch_size=BATCH, num_workers=0)
+
+        def run() -> int:
+            n = 0
+            for b in dl:  # as the harness's PackioLoader: image, label, padded boxes, key
+                n += len((b["image"], b["label"], _harness_pad(b["boxes"]) if pad else b["boxes"], b["key"])[1])
+            return n
+        return run
+    return {"L2 (memcpy, reused buffer)": l2, "gather (np.take, fresh buffer)": gather,
+            "packio nw=0": loader(1), "packio nw=0 threads=2": loader(2)}
+
+
+def _cpu_per_sample(epoch: Callable[[], int], seconds: float) -> tuple[float, float, float]:
+    """(process CPU, main-thread CPU, wall) µs per sample of repeated epochs, for ``seconds`` of CPU."""
+    n, p0, t0, w0 = 0, time.process_time(), time.thread_time(), time.perf_counter()
+    while time.process_time() - p0 < seconds:
+        n += epoch()
+    return tuple((x1 - x0) * 1e6 / n for x0, x1 in ((p0, time.process_time()), (t0, time.thread_time()),
+                                                      (w0, time.perf_counter())))  # type: ignore[return-value]
+
+
+def w2cpu(argv: list[str]) -> int:
+    """W2 in CPU time (process_time: every thread; thread_time: the main thread, the critical
+    path of ``threads=2``), so a loaded machine still gives usable ratios: packio's
+    DataLoader over a packed ``.arrays`` (nw=0; threads 1 and 2), consumed as the peers
+    harness does (box padding with pad_sequence), against the harness's L2 (64 consecutive
+    samples memcpy'd into one reused buffer) and packio's gather alone. Without --path a
+    generated 2,000-sample 224x224 dataset is packed first.
+
+        python benchmarks/loader.py w2cpu --path /tmp/peers-packed/packio-arrays/data.arrays
+    """
+    ap = parser(w2cpu.__doc__, rounds=5)
+    ap.add_argument("--path", help="a packed .arrays dataset (default: a generated one)")
+    ap.add_argument("--seconds", type=float, default=1.0, help="CPU seconds per case per round")
+    ap.add_argument("--no-pad", action="store_true", help="consume without the harness's box padding")
+    a = ap.parse_args(argv)
+    import packio
+
+    tmp = tempfile.TemporaryDirectory(prefix="packio-w2cpu-")
+    if a.path is None:
+        from packio.bench.synth import make_photo_folder
+
+        src, csv = make_photo_folder(Path(tmp.name) / "src", 2000, size=(240, 320))
+        a.path = str(Path(tmp.name) / "d.arrays")
+        packio.convert(src, a.path, csv=csv, resize=packio.ResizeSpec(size=(SIZE, SIZE)), progress=False)
+    need([a.path] if (Path(a.path) / "images.npy").is_file() else [], f"arrays dataset at {a.path}",
+          "pass a packed .arrays folder to --path")
+    cases = _w2cpu_cases(a.path, not a.no_pad)
+    for run in cases.values():  # warm-up: page cache, this process' page tables, pools
+        run()
+    figures: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
+
+    def timed(name: str) -> Callable[[], float]:
+        def one() -> float:
+            figures[name].append(_cpu_per_sample(cases[name], a.seconds))
+            return figures[name][-1][0]
+        return one
+    interleaved({k: timed(k) for k in cases}, a.rounds)
+    med = {k: [median(f[j] for f in v) for j in range(3)] for k, v in figures.items()}
+    l2 = med["L2 (memcpy, reused buffer)"]
+    table(("run", "CPU µs/sample", "main thread µs/sample", "wall µs/sample", "L2 ÷ CPU", "L2 ÷ main thread",
+           "L2 ÷ wall (quiet machine only)"),
+          [(k, f"{p:.2f}", f"{t:.2f}", f"{w:.2f}", f"{l2[0] / p:.3f}", f"{l2[1] / t:.3f}", f"{l2[2] / w:.3f}")
+           for k, (p, t, w) in med.items()],
+          f"W2 CPU per sample, {a.path}, batch {BATCH}, medians of {a.rounds} interleaved rounds"
+          f"{'' if a.no_pad else ', consumed with the harness box padding'}")
+    tmp.cleanup()
+    return 0
+
+
 # ---------------------------------------------------------------- levers
 
 def _lever_resize_and_stack() -> list[tuple[str, str, str, str]]:
@@ -375,4 +487,4 @@ def memory(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(subcommands({"w1": w1, "w2": w2, "levers": levers, "memory": memory}, __doc__))
+    sys.exit(subcommands({"w1": w1, "w2": w2, "w2cpu": w2cpu, "levers": levers, "memory": memory}, __doc__))
