@@ -18,6 +18,7 @@ from pathlib import Path
 
 import simplejpeg
 import numpy as np
+import pytest
 
 N, WARM = 100_000, 2_000
 BOUND = 200  # bytes per sample: measured ~150 here; issue 25 aims at 150
@@ -70,24 +71,36 @@ def test_packing_memory_per_sample_is_bounded(tmp_path):
     assert growth <= BOUND, f"converter peak RSS grew {growth:.0f} B per sample (bound {BOUND}): {r}"
 
 
-def test_arrays_keys_written_in_chunks_are_what_np_save_writes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("chunk,spill", [(3, 2), (3, 4), (1 << 16, 1 << 16)])
+def test_arrays_columns_written_in_chunks_are_what_np_save_writes(tmp_path, monkeypatch, chunk, spill):
     """keys.npy is written a chunk of keys at a time (the whole unicode array is never
-    held): the file is byte for byte what np.save writes, across chunk edges and widths."""
+    held), and the columns and keys go to spill files every few samples: each file is
+    byte for byte what np.save writes of the whole column, across chunk and spill edges,
+    key widths and samples without boxes; no spill file is left behind."""
     import io
 
     import packio.formats.arrays as arrays
     from packio.formats.base import WriteOptions
     from packio.sample import Sample
 
-    monkeypatch.setattr(arrays, "_KEY_CHUNK", 3, raising=False)
+    monkeypatch.setattr(arrays, "_KEY_CHUNK", chunk, raising=False)
+    monkeypatch.setattr(arrays, "_SPILL", spill, raising=False)
     keys = ["a", "bé/ç.jpg", "longer/name/here.png", "x", "😀", "z" * 40, "q"]
+    nbox = [0, 2, 1, 0, 0, 3, 1]
+    boxes = [np.arange(4 * k, dtype=np.float32).reshape(k, 4) + i for i, k in enumerate(nbox)]
     w = arrays.ArrayWriter(tmp_path / "x.arrays", WriteOptions(fixed_shape=(2, 2)))
     for i, k in enumerate(keys):
-        s = Sample(key=k, payload=np.zeros((2, 2, 3), np.uint8), encoding="raw", label=i, width=2, height=2)
+        s = Sample(key=k, payload=np.zeros((2, 2, 3), np.uint8), encoding="raw", label=i - 1, width=2, height=2,
+                   boxes=boxes[i], box_labels=np.arange(nbox[i]) + 10 * i)
         s.checksum = "0" * 16
         w.add(s)
     w.close()
-    want = io.BytesIO()
-    np.save(want, np.array(keys), allow_pickle=False)
-    assert (tmp_path / "x.arrays" / "keys.npy").read_bytes() == want.getvalue()
+    want = {"keys": np.array(keys), "labels": np.arange(len(keys), dtype=np.int64) - 1,
+            "boxes": np.concatenate(boxes), "box_labels": np.concatenate([np.arange(k) + 10 * i for i, k in enumerate(nbox)]),
+            "box_offsets": np.concatenate([[0], np.cumsum(nbox)]).astype(np.int64)}
+    for name, arr in want.items():
+        buf = io.BytesIO()
+        np.save(buf, arr, allow_pickle=False)
+        assert (tmp_path / "x.arrays" / f"{name}.npy").read_bytes() == buf.getvalue(), name
     assert np.load(tmp_path / "x.arrays" / "keys.npy").tolist() == keys
+    assert not [p.name for p in (tmp_path / "x.arrays").iterdir() if p.name.startswith(".")]
