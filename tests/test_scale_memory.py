@@ -104,3 +104,34 @@ def test_arrays_columns_written_in_chunks_are_what_np_save_writes(tmp_path, monk
         assert (tmp_path / "x.arrays" / f"{name}.npy").read_bytes() == buf.getvalue(), name
     assert np.load(tmp_path / "x.arrays" / "keys.npy").tolist() == keys
     assert not [p.name for p in (tmp_path / "x.arrays").iterdir() if p.name.startswith(".")]
+
+
+def test_csv_columns_sealed_in_chunks_hold_every_row(tmp_path, monkeypatch):
+    """The CSV's columns get their room once (bounds read off the file) and rows are copied
+    in a few at a time: across seal edges, quoted cells over several lines, blank lines,
+    a BOM, rows without a box and a skipped row, every row lands where it belongs; a CSV
+    holding more than its bounds said is a clear error, not an overrun."""
+    from packio.errors import SourceError
+    from packio.sources import csvrows
+
+    text = ("\ufefffilename,label,xmin,ymin,xmax,ymax,width,height\n"
+            "a.jpg,x,1,2,3,4,10,20\n\n"
+            'b\\c.jpg,"two\nlines",,,,,,\n'
+            "d.jpg,y,5,6,7,8,,\n"
+            "e.jpg,x,bad,6,7,8,,\n"
+            "é.jpg,,0,0,1,1,3,4\n"
+            "f.jpg,y,9,9,9,9,30,40\n")
+    (tmp_path / "a.csv").write_text(text, encoding="utf-8")
+    skips = []
+    monkeypatch.setattr(csvrows, "_ROWS", 2)
+    rows, _ = csvrows.read_csv(tmp_path / "a.csv", {}, lambda *a: skips.append(a))
+    assert list(rows.names) == ["a.jpg", "b/c.jpg", "d.jpg", "é.jpg", "f.jpg"]
+    assert rows.line.tolist() == [2, 5, 6, 8, 9] and len(skips) == 1 and skips[0][1].endswith(":7")
+    assert [rows.image_names[i] if i >= 0 else None for i in rows.image_label.tolist()] == \
+        ["x", "two\nlines", "y", None, "y"]
+    assert rows.has_box.tolist() == [True, False, True, True, True]
+    assert rows.boxes.tolist() == [[1, 2, 3, 4], [0, 0, 0, 0], [5, 6, 7, 8], [0, 0, 1, 1], [9, 9, 9, 9]]
+    assert rows.frames.tolist() == [[10, 20], [0, 0], [0, 0], [3, 4], [30, 40]]
+    monkeypatch.setattr(csvrows, "_bounds", lambda fd: (3, 1000))  # as if the file grew after it was measured
+    with pytest.raises(SourceError, match="grew while it was read"):
+        csvrows.read_csv(tmp_path / "a.csv", {}, lambda *a: None)
