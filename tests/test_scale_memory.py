@@ -135,3 +135,28 @@ def test_csv_columns_sealed_in_chunks_hold_every_row(tmp_path, monkeypatch):
     monkeypatch.setattr(csvrows, "_bounds", lambda fd: (3, 1000))  # as if the file grew after it was measured
     with pytest.raises(SourceError, match="grew while it was read"):
         csvrows.read_csv(tmp_path / "a.csv", {}, lambda *a: None)
+
+
+@pytest.mark.parametrize("spill", [3, 7, 1 << 13])
+def test_tar_index_spilled_in_chunks_is_what_np_save_writes(tmp_path, monkeypatch, spill):
+    """The tar writer holds a few index rows and appends them to a spill file: index.npy is
+    byte for byte np.save's, every sample reads back across spill edges, no spill file is left."""
+    import io
+
+    import packio
+    import packio.formats.tar as tar
+
+    monkeypatch.setattr(tar, "_SPILL", spill)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(7):
+        (src / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(np.full((8, 8, 3), 10 * i, np.uint8), quality=90))
+    packio.convert(src, tmp_path / "x.wds", workers=0, progress=False, shard_samples=3)
+    index = np.load(tmp_path / "x.wds" / "index.npy")
+    want = io.BytesIO()
+    np.save(want, index, allow_pickle=False)
+    assert (tmp_path / "x.wds" / "index.npy").read_bytes() == want.getvalue()
+    assert index.shape == (7, 5) and index[:, 0].tolist() == [0, 0, 0, 1, 1, 1, 2]
+    r = packio.open_dataset(tmp_path / "x.wds").reader
+    assert sorted(r.read(i).key for i in range(7)) == [f"{i}.jpg" for i in range(7)]
+    assert not [p.name for p in (tmp_path / "x.wds").iterdir() if p.name.startswith(".")]

@@ -19,7 +19,7 @@ import numpy as np
 from packio import limits
 from packio.errors import FormatError
 from packio.formats.base import (FormatSpec, Reader, RecordFile, StoredBatch, WriteOptions, Writer,
-                                 decode_stored, fixed_image_shape, inside)
+                                 decode_stored, fixed_image_shape, inside, npy_header)
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -38,13 +38,6 @@ def _npy_header(shape: tuple[int, ...]) -> bytes:
     if pad < 0:
         raise ValueError("shape too long for the reserved header")
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", _HEADER - 10) + body + b" " * pad + b"\n"
-
-
-def _npy_start(f: Any, dtype: np.dtype, shape: tuple[int, ...]) -> None:
-    """The header ``np.save`` writes for an array of ``dtype`` and ``shape`` (C order)."""
-    header = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
-    header["shape"] = shape
-    np.lib.format.write_array_header_1_0(f, header)
 
 
 def _copy_rows(flat: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
@@ -106,7 +99,7 @@ class ArrayWriter(Writer):
                   "box_offsets": (self.count + 1,)}
         for name, dtype in (("labels", "<i8"), ("boxes", "<f4"), ("box_labels", "<i8"), ("box_offsets", "<i8")):
             with open(self.path / f"{name}.npy", "wb") as f, open(self._spilled(name), "rb") as src:
-                _npy_start(f, np.dtype(dtype), shapes[name])
+                npy_header(f, np.dtype(dtype), shapes[name])
                 if name == "box_offsets":
                     f.write(np.zeros(1, np.int64).data)  # the column starts at 0; the spill holds the ends
                 shutil.copyfileobj(src, f, 1 << 20)
@@ -125,7 +118,7 @@ class ArrayWriter(Writer):
         dtype = np.dtype(f"U{self._key_chars}")
         with open(self.path / "keys.npy", "wb") as f, open(self._spilled("keys"), "rb") as data, \
                 open(self._spilled("key_ends"), "rb") as ends:
-            _npy_start(f, dtype, (self.count,))
+            npy_header(f, dtype, (self.count,))
             last = 0
             for k in range(0, self.count, _KEY_CHUNK):
                 part = np.fromfile(ends, np.int64, min(_KEY_CHUNK, self.count - k)).tolist()
