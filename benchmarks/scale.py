@@ -42,7 +42,10 @@ PACK = r"""
 import gc, json, os, resource, sys, time
 src, csv_path, dst, fmt, workers = sys.argv[1:6]
 import packio
-from packio.options import ResizeSpec
+try:
+    from packio.options import ResizeSpec
+except ImportError:  # older trees (b8708ae) kept it in packio.decode
+    from packio.decode import ResizeSpec
 def rss_kib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
