@@ -20,9 +20,11 @@ demo: install
 	$(PY) examples/demo.py
 
 # Two pytest processes (pytest-xdist): the suite waits on children, servers and timeouts as much as it
-# computes; the tests sharing the torchrun launches go to one process (tests/conftest.py).
+# computes; the tests sharing the torchrun launches go to one process, and the longest tests start
+# first (tests/conftest.py). TEST_WORKERS=3 overlaps the tests that wait (timeouts, kills) with the rest.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"

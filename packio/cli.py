@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     i.set_defaults(fn=_cmd_info)
 
-    v = sub.add_parser("verify", help="re-read everything and check checksums (exit 1 when damaged)")
+    v = sub.add_parser("verify", help="re-read everything and check checksums (exit 1 when damaged, or when empty: "
+                                      "nothing verified)")
     v.add_argument("path")
     v.set_defaults(fn=_cmd_verify)
 

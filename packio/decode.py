@@ -188,13 +188,16 @@ def _as_rgb3(img: np.ndarray) -> np.ndarray:
     return img
 
 
-def _cv2_decode(data: bytes | memoryview, apply_exif: bool) -> np.ndarray:
+def _cv2_decode(data: bytes | memoryview, apply_exif: bool, out: np.ndarray | None = None) -> np.ndarray:
+    """RGB pixels by OpenCV; into ``out`` when the image has its shape (the BGR→RGB pass writes there)."""
     cv2 = _cv2()
 
     flags = cv2.IMREAD_COLOR if apply_exif else cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
     img = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
     if img is None:
         raise ValueError("OpenCV could not decode the image")
+    if out is not None and out.shape == img.shape and out.flags.c_contiguous:
+        return cv2.cvtColor(img, cv2.COLOR_BGR2RGB, dst=out)
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
 
 
@@ -231,7 +234,8 @@ JPEG_ONLY = ("simplejpeg", "turbojpeg")  # backends that read JPEG alone
 
 
 def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[int, int] | None = None,
-           apply_exif: bool = False, strict: bool = False, max_pixels: int | None = None) -> np.ndarray:
+           apply_exif: bool = False, strict: bool = False, max_pixels: int | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
     """Decode to ``uint8[H, W, 3]`` RGB (grayscale and CMYK become RGB).
 
     ``min_size=(h, w)`` lets libjpeg-turbo decode at 1/2, 1/4 or 1/8 scale when the
@@ -241,13 +245,21 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
     ``packio.limits.MAX_PIXELS``) before anything is decoded. ``strict``: a JPEG that
     libjpeg decodes only with warnings raises ``CorruptImageError`` instead of
     falling back to a lenient decoder (which would return made-up pixels).
+    ``out``: a C-contiguous ``uint8[h, w, 3]`` array to decode into; the result is ``out``
+    itself when the image has its shape, else an array of its own. A JPEG goes straight
+    into ``out`` with no separate header check: simplejpeg refuses an image larger than
+    ``out``, so ``out`` bounds it (make it no larger than ``max_pixels`` allows).
     Raises ``ValueError`` when no backend can decode the bytes.
     """
+    if out is not None and data[:3] == b"\xff\xd8\xff" and backend in ("auto", "simplejpeg") \
+            and min_size is None and not apply_exif:  # a JPEG (sniff's test, without its copy)
+        got = _simplejpeg_into(data, strict, out)
+        if got is not None:
+            return got
     enc = sniff(data)
     if enc not in ("jpeg", "png", "bmp", "webp"):
         raise ValueError(f"not a JPEG, PNG, BMP or WebP image ({enc or 'unknown type'})")
     check_pixels(*image_size(data, enc), max_pixels)
-    errors: list[str] = []
     order = [backend] if backend != "auto" else ["simplejpeg", "cv2", "pil"]
     if enc != "jpeg" and backend in ("auto", *JPEG_ONLY):
         order = ["cv2", "pil"]  # a JPEG-only backend asked for: PNG / WebP / BMP samples still need a reader
@@ -255,6 +267,30 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
         order = ["cv2", "pil"]  # simplejpeg does not read EXIF orientation
         if strict:
             _simplejpeg(data, True, {"min_factor": 8})  # the lenient decoders below cannot tell damage
+    img = _first_decoded(data, order, min_size, apply_exif, strict, out)
+    if out is None or img is out or img.shape != out.shape:
+        return img
+    np.copyto(out, img)
+    return out
+
+
+def _simplejpeg_into(data: bytes | memoryview, strict: bool, out: np.ndarray) -> np.ndarray | None:
+    """A JPEG decoded into ``out``: ``out`` itself, or a copy of the smaller image simplejpeg
+    put at its start; None when simplejpeg cannot (an image larger than ``out``, a JPEG it
+    does not read), for the checked path to decide."""
+    try:
+        img = _simplejpeg(data, strict, {"buffer": out})
+    except CorruptImageError:
+        raise
+    except ValueError:
+        return None
+    return out if img.shape == out.shape else img.copy()
+
+
+def _first_decoded(data: bytes | memoryview, order: list[str], min_size: tuple[int, int] | None,
+                   apply_exif: bool, strict: bool, out: np.ndarray | None) -> np.ndarray:
+    """The pixels from the first backend in ``order`` that decodes ``data`` (header checked)."""
+    errors: list[str] = []
     for name in order:
         try:
             if name == "simplejpeg":
@@ -270,7 +306,7 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
 
                 return _as_rgb3(tj.decode(bytes(data), pixel_format=TJPF_RGB))
             if name == "cv2":
-                return _cv2_decode(data, apply_exif)
+                return _cv2_decode(data, apply_exif, out)
             if name == "pil":
                 return _pil_decode(data, apply_exif)
             raise ValueError(f"unknown decode backend {name!r}; use one of {available_backends()}")

@@ -21,6 +21,7 @@ import torch
 
 from packio import decode as dec
 from packio import geometry as geo
+from packio import limits
 from packio.collation import Batch, batch_buffer, item, stack_images
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
@@ -95,15 +96,30 @@ def verify(s: Sample) -> None:
         raise CorruptSampleError(s.key, "checksum mismatch")
 
 
-def pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, strict: bool = False) -> np.ndarray:
+def pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, strict: bool = False,
+           out: np.ndarray | None = None) -> np.ndarray:
     """``uint8[H, W, 3]`` of a stored sample (raw payloads are pixels already); ``strict``:
-    libjpeg's "corrupt data" warnings are errors too."""
+    libjpeg's "corrupt data" warnings are errors too. ``out``: the pixels go there when
+    they have its shape (and ``out`` is returned), else they come back on their own."""
     if isinstance(s.payload, np.ndarray):
-        return s.payload
+        if out is None or out.shape != s.payload.shape:
+            return s.payload
+        np.copyto(out, s.payload)
+        return out
     try:
-        return dec.decode(s.payload, backend=backend, min_size=min_size, strict=strict)
+        return dec.decode(s.payload, backend=backend, min_size=min_size, strict=strict, out=out)
     except ValueError as exc:
         raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
+
+
+def _room(s: Sample) -> np.ndarray | None:
+    """A fresh array of the size the sample's record gives, for its image to be decoded
+    into (a JPEG then needs no separate header parse: the array bounds it); None when the
+    record gives no size or one over the pixel limit (the decode then checks the header)."""
+    h, w = s.height, s.width
+    if isinstance(s.payload, np.ndarray) or h <= 0 or w <= 0 or h * w > limits.MAX_PIXELS:
+        return None
+    return np.empty((h, w, 3), np.uint8)
 
 
 def _boxes_for(sample: Sample, out_h: int, out_w: int) -> np.ndarray:
@@ -127,6 +143,17 @@ def chw(hwc: np.ndarray | torch.Tensor) -> torch.Tensor:
     return hwc.permute(2, 0, 1)
 
 
+def _images(buf: torch.Tensor | None, own: list[Any], kept: list[bool]) -> Any:
+    """A batch's images: the buffer (NCHW view) when every kept image went into it, else
+    one per sample (the buffer's row, or the image that came back on its own, or None for
+    a skipped sample), stacked when they are all tensors of one shape."""
+    views = buf.permute(0, 3, 1, 2) if buf is not None else None
+    if views is not None and all(im is None for im in own):
+        return views
+    images = [views[j] if im is None and ok else im for j, (im, ok) in enumerate(zip(own, kept))]  # type: ignore[index]
+    return stack_images(images) if all(kept) else images
+
+
 class Decoder:
     """A batch of stored samples → one :class:`Batch`: verify, decode, resize, boxes, transform."""
 
@@ -136,21 +163,22 @@ class Decoder:
         self.backend, self.verify = options.backend, options.verify
 
     def one(self, s: Sample, out: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
-        """``(image, boxes)`` of one sample (boxes: a fresh ``float32[N, 4]`` array); with
-        ``out`` (a ``uint8[h, w, 3]`` row of the batch buffer) the pixels are resized into
-        it and the image is ``None``."""
+        """``(image, boxes)`` of one sample (boxes: a fresh ``float32[N, 4]`` array). With
+        ``out`` (a ``uint8[h, w, 3]`` row of the batch buffer) the pixels are decoded or
+        resized into it and the image is ``None``, unless they do not have its shape (an
+        unresized image of another size): then the image comes back on its own."""
         if self.verify:
             verify(s)
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
             raw = isinstance(s.payload, np.ndarray)
             return (chw(s.payload) if raw else s.payload), geo.as_boxes(s.boxes)
-        img = pixels(s, self.backend, self.size, strict=True)  # libjpeg's warnings are damage: never made-up pixels
-        image = None
-        if out is not None:
-            img = dec.resize(img, self.size, out=out)  # type: ignore[arg-type]
+        # strict: libjpeg's warnings are damage, never made-up pixels
+        if self.size is not None:
+            img = dec.resize(pixels(s, self.backend, self.size, strict=True), self.size, out=out)
         else:
-            if self.size is not None:
-                img = dec.resize(img, self.size)
+            img = pixels(s, self.backend, None, strict=True, out=_room(s) if out is None else out)
+        image = None
+        if out is None or img is not out:
             image = chw(np.ascontiguousarray(img))
             if self.transform is not None:
                 image = self.transform(image)
@@ -170,21 +198,43 @@ class Decoder:
                      torch.from_numpy(stored.boxes), torch.from_numpy(stored.box_labels),
                      stored.counts.tolist(), list(stored.keys), torch.from_numpy(stored.index.astype(np.int64)))
 
+    def _shape(self, first: Sample | PackioError | None) -> tuple[int, int] | None:
+        """``(h, w)`` of the one buffer a batch starting with ``first`` is decoded into: the
+        resize target; unresized, the first image's size from its header (the samples whose
+        records give that size go into the buffer; one of another size comes out on its own).
+        None with a transform, with nothing to decode, or when the first sample is unreadable."""
+        if not self.decode or self.transform is not None:
+            return None
+        if self.size is not None:
+            return self.size
+        if not isinstance(first, Sample):
+            return None
+        try:
+            h, w = dec.stored_hw(first.payload, first.encoding, 0, 0)
+            dec.check_pixels(w, h)
+        except ValueError:
+            return None
+        return h, w
+
     def samples(self, idx: np.ndarray, sample: Callable[[int], Sample | PackioError], pool: "DecodeThreads",
                 errors: ErrorPolicy) -> Batch:
         """Decode sample ``j`` = ``sample(j)`` of the batch on ``pool``'s threads, into one
-        fresh ``[B, H, W, 3]`` buffer when every output has one shape."""
+        fresh ``[B, H, W, 3]`` buffer when the outputs have one shape (no image of its own
+        per sample, no stacking copy)."""
         n = len(idx)
-        fixed = self.decode and self.size is not None and self.transform is None
-        buf = batch_buffer((n, *self.size, 3)) if fixed else None  # type: ignore[misc]
+        first = sample(0) if n else None
+        shape = self._shape(first)
+        buf = batch_buffer((n, *shape, 3)) if shape is not None else None
         rows = buf.numpy() if buf is not None else None
+        unresized = self.size is None
 
         def one(j: int) -> tuple[Sample, Any, np.ndarray] | PackioError:
-            s = sample(j)
+            s = first if j == 0 else sample(j)
             if isinstance(s, PackioError):
                 return s
+            fits = rows is not None and (not unresized or (s.height, s.width) in (shape, (0, 0)))
             try:
-                return (s, *self.one(s, rows[j] if rows is not None else None))
+                return (s, *self.one(s, rows[j] if fits else None))  # type: ignore[index]
             except PackioError as exc:
                 return exc
 
@@ -194,9 +244,7 @@ class Decoder:
                 got[j] = errors(r)  # raises, or counts the skip
         kept = [r is not None for r in got]
         ok = [r for r in got if r is not None]
-        images: Any = buf.permute(0, 3, 1, 2) if buf is not None else [r[1] if r else None for r in got]
-        if buf is None and all(kept):
-            images = stack_images(images)
+        images = _images(buf, [r[1] if r else None for r in got], kept)
         boxes = [np.asarray(r[2], np.float32).reshape(-1, 4) for r in ok]
         box_labels = [np.asarray(r[0].box_labels, np.int64).reshape(-1) for r in ok]
         return Batch(images, torch.tensor([r[0].label if r else -1 for r in got], dtype=torch.int64),

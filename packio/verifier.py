@@ -27,9 +27,18 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.bad_files and not self.bad_samples
+        """Every sample checked and found sound; a dataset of no samples is not OK: nothing was verified."""
+        return not self.bad_files and not self.bad_samples and not self.empty
+
+    @property
+    def empty(self) -> bool:
+        return self.count == 0 and not self.bad_files and not self.bad_samples
 
     def text(self) -> str:
+        if self.empty:
+            why = ("no member of the shards is an image packio reads (.jpg .jpeg .png .webp .bmp, named "
+                   "{key}.ext)" if self.foreign else "its manifest lists no samples")
+            return f"{self.path}: EMPTY — 0 samples, nothing was verified: {why}"
         head = (f"{self.path}: {'OK' if self.ok else 'DAMAGED'} — {self.checked}/{self.count} samples checked, "
                 f"{len(self.bad_samples)} damaged, {len(self.bad_files)} files differ from the manifest")
         note = ["  (shards written by another tool carry no checksums: every image was decoded instead)"

@@ -231,15 +231,69 @@ def sealed(m: dict) -> dict:
 
 
 
+# The longest tests after the torchrun launches, longest first (quiet 2-core machine, -n 2): pytest-xdist
+# hands out tests in collection order as workers free up, so these go first and the two workers end
+# together instead of one running a 20 s test alone at the end. Only the order changes; every test runs.
+LONG_FIRST = (
+    "test_remote_hostile.py::test_dataloader_over_a_hostile_server_finishes_or_fails_clearly",
+    "test_scale_memory.py::test_packing_memory_per_sample_is_bounded",
+    "test_docs.py::test_page_blocks_run[docs/doctor.md]",
+    "test_doctor.py::test_cli_doctor_on_a_packed_dataset",
+    "test_integrity.py::test_kill_at_random_points_leaves_nothing_half_written",
+    "test_integrity.py::test_fuzz_record_parser",
+    "test_doctor.py::test_recommends_a_preresized_layout_for_large_jpegs",
+    "test_remote.py::test_dataloader_two_workers_exactly_once_one_download_per_shard[spawn]",
+    "test_docs.py::test_page_blocks_run[docs/boxes.md]",
+    "test_docs.py::test_page_blocks_run[docs/formats.md]",
+    "test_strangers.py::test_thousands_of_shards_under_a_descriptor_limit",
+    "test_distributed.py::test_local_cluster_matches_single_process",
+    "test_distributed.py::test_failed_part_commits_nothing",  # with the other users of the module's Dask cluster
+    "test_distributed.py::test_cli_scheduler_address",
+    "test_docs.py::test_page_blocks_run[README.md]",
+    "test_cuda_feed.py::test_training_example_runs_on_cpu",
+    "test_fuzz.py::test_fuzz_every_file_of_every_format",
+    "test_docs.py::test_examples_say_what_works_and_warn_of_nothing_on_cpu",
+    "test_mix.py::test_one_source_on_s3",
+    "test_remote_hostile.py::test_fork_workers_leave_the_parent_and_each_other_clean",
+    "test_cuda_feed.py::test_gpu_check_fails_without_cuda_unless_allowed",
+    "test_docs.py::test_page_blocks_run[docs/reading.md]",
+    "test_remote.py::test_cli_convert_info_verify_a_url",
+    "test_worker_batches.py::test_worker_batch_is_made_in_shared_memory",
+    "test_worker_batches.py::test_main_process_batch_is_plain_memory",  # the module's packed fixture, once
+    "test_remote.py::test_server_restart_mid_epoch_retries_then_continues",
+)
+
+
+def _start_rank(item: pytest.Item) -> int:
+    """Where ``item`` starts: the torchrun tests (the longest, together), then ``LONG_FIRST``, then the rest."""
+    if item.name.startswith("test_torchrun"):
+        return -1
+    here = f"{item.path.name}::{item.name}"
+    return next((k for k, entry in enumerate(LONG_FIRST) if here.startswith(entry)), len(LONG_FIRST))
+
+
+def _check_long_first(items: list[pytest.Item]) -> None:
+    """An entry of ``LONG_FIRST`` whose module is collected names a test function of that module (a
+    renamed test would otherwise silently lose its early start)."""
+    modules = {item.path.name: item.module for item in items if isinstance(item, pytest.Function)}
+    for entry in LONG_FIRST:
+        file, name = entry.split("::")
+        if file in modules and not hasattr(modules[file], name.split("[")[0]):
+            raise pytest.UsageError(f"tests/conftest.py LONG_FIRST: {entry} names no test; update the list")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect, so the check sees every collected test
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses the session's torchrun launches is named ``test_torchrun_*``: under
     pytest-xdist those run on one worker (``pytest_xdist_make_scheduler``), so the launches
-    happen once in the session."""
+    happen once in the session. The longest tests are moved to the front (``LONG_FIRST``)."""
     for item in items:
         uses = "torchrun_launches" in getattr(item, "fixturenames", ())
         if uses != item.name.startswith("test_torchrun"):
             raise pytest.UsageError(f"{item.nodeid}: name the tests that use torchrun_launches, "
                                     "and only those, test_torchrun_*")
+    _check_long_first(items)
+    items.sort(key=_start_rank)  # stable: the rest keep their order
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -98,3 +98,68 @@ def test_held_batches_never_change_across_epochs(gen_folder, tmp_path, context, 
         for j, i in enumerate(idx):
             assert torch.equal(images[j], ref[i])
     assert sorted(seen) == sorted(list(range(len(ds))) * 8)
+
+
+def _one_size_folder(root, n: int = 8, hw: tuple[int, int] = (24, 32)):
+    """A class folder of ``n`` JPEGs of one size (a dataset of pre-sized images)."""
+    from conftest import jpeg
+
+    (root / "a").mkdir(parents=True)
+    for k in range(n):
+        (root / "a" / f"i{k}.jpg").write_bytes(jpeg(*hw, seed=k))
+    return root
+
+
+@pytest.mark.parametrize("suffix, kw", [(".lmdb", {}), (".wds", {}), (".bmpdir", {"encode": "bmp"})])
+@pytest.mark.parametrize("threads", [0, 2])
+def test_unresized_one_size_batch_is_decoded_into_one_buffer(tmp_path, monkeypatch, suffix, kw, threads):
+    """Images of one size, read without a resize: the batch's images are decoded straight into
+    one buffer (no image per sample stacked afterwards), and equal ``ds[i]``, strides too."""
+    packio.convert(_one_size_folder(tmp_path / "src"), tmp_path / f"d{suffix}", progress=False, **kw)
+    ds = packio.open_dataset(tmp_path / f"d{suffix}", threads=threads)
+    ref = {i: ds[i] for i in range(len(ds))}
+
+    def no_stack(images):
+        raise AssertionError("the batch's images were decoded one by one and stacked (a copy)")
+
+    monkeypatch.setattr(packio.items, "stack_images", no_stack)
+    order = [5, 2, 7, 0, 1]
+    batch = ds.__getitems__(order)
+    assert isinstance(batch.image, torch.Tensor) and batch.image.shape == (5, 3, 24, 32)
+    for j, i in enumerate(order):
+        got, want = batch[j]["image"], ref[i]["image"]
+        assert torch.equal(got, want) and got.stride() == want.stride()
+        assert batch[j]["key"] == ref[i]["key"]
+
+
+@pytest.mark.parametrize("claim", [(24, 32), (0, 0), (4000, 4000)])
+def test_records_that_misstate_the_size_still_give_the_images_pixels(tmp_path, monkeypatch, claim):
+    """A JPEG is decoded into an array of the size its record gives (``ds[i]``) or into the
+    batch's buffer: a record that misstates the size (larger, smaller, none) still yields the
+    image's own pixels and shape, alone and in a batch, whichever sample comes first."""
+    src = _one_size_folder(tmp_path / "src")  # 24 x 32, but for a smaller and a larger one
+    from conftest import jpeg
+
+    (src / "a" / "i3.jpg").write_bytes(jpeg(16, 20, seed=50))
+    (src / "a" / "i6.jpg").write_bytes(jpeg(40, 44, seed=51))
+    packio.convert(src, tmp_path / "d.lmdb", progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb")
+    reader = ds.items.reader
+    truth = {i: torch.from_numpy(packio.decode.decode(reader.read(i).payload)).permute(2, 0, 1)
+             for i in range(len(ds))}
+    assert {t.shape[1:] for t in truth.values()} == {(24, 32), (16, 20), (40, 44)}
+    real = reader.read
+
+    def misstated(i):
+        s = real(i)
+        s.height, s.width = claim
+        return s
+
+    monkeypatch.setattr(reader, "read", misstated)
+    for i in range(len(ds)):
+        assert torch.equal(ds[i]["image"], truth[i])
+    for order in ([0, 3, 6, 1, 2], [3, 0, 1, 6], [6, 3, 0], [1, 2, 4, 5]):
+        batch = ds.__getitems__(order)
+        for j, i in enumerate(order):
+            assert torch.equal(batch[j]["image"], truth[i]), (order, i)
+    assert isinstance(ds.__getitems__([1, 2, 4, 5]).image, torch.Tensor)

@@ -129,4 +129,12 @@ def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
     pattern = next(line for line in r.stdout.splitlines() if line.startswith("shards:")).split()[-1]
     shards = list(braceexpand(pattern))  # one pattern naming the shards of every part, for webdataset
     assert len(shards) == 3 and all(Path(s).is_file() for s in shards), pattern
+    import json
+
+    import webdataset as wds
+
+    got = [(s["__key__"], json.loads(s["json"])["key"]) for s in wds.WebDataset(shards, shardshuffle=False)]
+    assert len({k for k, _ in got}) == len(got) == 14  # member keys never repeat across parts
+    r = packio.open_reader(tmp_path / "o.wds")
+    assert sorted(key for _, key in got) == sorted(r.read(i).key for i in range(len(r)))
 

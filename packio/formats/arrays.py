@@ -217,6 +217,12 @@ class ArrayReader(Reader):
         return StoredBatch(idx, pixels=out, labels=labels, boxes=boxes, counts=counts, box_labels=box_labels,
                            keys=keys[idx].tolist())
 
+    def key(self, i: int) -> str:
+        """From ``keys.npy`` (with the label columns, loaded once): no image, no record read."""
+        i = self.check_index(i)
+        self._ensure_open()
+        return str(self._meta()[1][i])
+
     def images(self) -> np.ndarray:
         """The memory-mapped ``uint8[N, H, W, 3]`` array itself."""
         self._ensure_open()

@@ -58,6 +58,7 @@ class WriteOptions:
     shards: int = 0  # tar: split ``expected`` samples evenly over this many shards
     expected: int = 0  # samples the writer will be given at most (the listing's length)
     fixed_shape: tuple[int, int] | None = None  # (h, w) when every image has it
+    first_key: int = 0  # tar: the first sample's member key (a part's place in the whole dataset)
 
 
 # The one record codec. Every format stores a sample's record (packio.sample.Sample.record)
@@ -168,7 +169,7 @@ class Reader(ABC):
     """Random access to stored samples. Handles open lazily, once per process, so a
     reader can be pickled into DataLoader workers (fork or spawn).
 
-    Every subclass's ``_open`` / ``read`` / ``read_many`` / ``read_batch`` is wrapped so
+    Every subclass's ``_open`` / ``read`` / ``key`` / ``read_many`` / ``read_batch`` is wrapped so
     that native errors become packio errors (see ``_guarded``)."""
 
     COUNT_FILE: str | None = None  # file (relative; "" = the path itself) whose size bounds the count
@@ -184,7 +185,7 @@ class Reader(ABC):
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        for name in ("_open", "read", "read_many", "read_batch"):
+        for name in ("_open", "read", "key", "read_many", "read_batch"):
             if name in cls.__dict__:
                 setattr(cls, name, _guarded(cls.__dict__[name], name == "_open"))
 
@@ -313,6 +314,8 @@ class Reader(ABC):
         return [range(s, min(s + step, n)) for s in range(0, n, step)]
 
     def check_index(self, i: int) -> int:
+        if type(i) is int and 0 <= i < len(self):  # the common case, checked twice per ds[i]
+            return i
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
             raise TypeError(f"sample index must be an int, got {type(i).__name__}")
         n = len(self)

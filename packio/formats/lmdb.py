@@ -275,9 +275,8 @@ class LMDBReader(Reader):
             txn.abort()
             _release_env(self.path, self.manifest.id)
 
-    def read(self, i: int) -> Sample:
-        i = self.check_index(i)
-        self._ensure_open()
+    def _split(self, i: int) -> tuple[memoryview, int]:
+        """Sample i's value (in the map, not copied) and its record's length."""
         value = self._get(i)
         if value is None:
             raise CorruptSampleError(f"#{i}", "missing from the LMDB file")
@@ -286,8 +285,23 @@ class LMDBReader(Reader):
         (n,) = _LEN.unpack_from(value)
         if 4 + n > len(value):
             raise CorruptSampleError(f"#{i}", "record length runs past the value")
+        return value, n
+
+    def read(self, i: int) -> Sample:
+        i = self.check_index(i)
+        self._ensure_open()
+        value, n = self._split(i)
         rec = unpack_record(value[4:4 + n], f"#{i}")
         return decode_stored(rec, bytes(value[4 + n:]), f"#{i}")
+
+    def key(self, i: int) -> str:
+        """The record's key alone: the payload behind it is neither copied nor decoded
+        (an append checks every stored key)."""
+        i = self.check_index(i)
+        self._ensure_open()
+        value, n = self._split(i)
+        rec = unpack_record(value[4:4 + n], f"#{i}")
+        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self.read(i).key
 
 
 FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader,

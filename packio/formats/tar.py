@@ -83,7 +83,9 @@ class TarWriter(Writer):
     def add(self, sample: Sample) -> None:
         if self._full():
             self._roll()
-        key = f"{self.count:010d}"  # WebDataset keys cannot hold dots; the original key is in the json
+        # WebDataset keys cannot hold dots; the original key is in the json. Numbered from the part's
+        # first key: a webdataset pipeline over every part's shards sees each key once.
+        key = f"{self.options.first_key + self.count:010d}"
         data = payload_bytes(sample)
         rec = pack_record(sample.record(), text=True)  # .json: what WebDataset pipelines decode
         row = [len(self._shards) - 1]
@@ -127,7 +129,8 @@ class TarWriter(Writer):
             npy_header(f, np.int64, (self.count, 5))
             shutil.copyfileobj(spilled, f, 1 << 20)
         (self.path / ".index.spill").unlink()
-        return {"shards": self._shards, "index": INDEX,
+        first = {"first_key": self.options.first_key} if self.options.first_key else {}
+        return {"shards": self._shards, "index": INDEX, **first,
                 "index_columns": ["shard", "image_offset", "image_size", "json_offset", "json_size"],
                 "pattern": f"shard-{{000000..{max(len(self._shards) - 1, 0):06d}}}.tar"}
 

@@ -20,13 +20,15 @@ from typing import Any, Callable
 from packio.errors import PackioError, SourceError
 from packio.formats.base import Reader
 from packio.options import PackOptions, merge_options
-from packio.pack.append import Relabeled, check_keys, commit_part, existing, merge_names, part_name, stored_options
+from packio.pack.append import (Relabeled, check_keys, commit_part, existing, first_key, merge_names, part_name,
+                                stored_options)
 from packio.pack.commit import check_output, output_lock, remove, staged, temp_name, terminate_cleanly
 from packio.pack.distributed import write_parts
 from packio.pack.plan import Source, check_request, declared_shape, open_source, output_format, plan
 from packio.pack.prepare import Packed, Result, Skipped
 from packio.pack.report import Summary, summarize
 from packio.pack.write import Job, write_part
+from packio.sources.names import case_notes
 
 __all__ = ["Summary", "convert", "Packed", "Skipped", "output_format"]
 
@@ -86,11 +88,17 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
         if append:
             return _append(src, dst, options, packed, csv, columns, strict, follow_symlinks, workers, progress, t0)
         check_output(dst, overwrite)  # again, under the lock
-        source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
+        source = _noted(open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks))
         job, fn = plan(spec, options, source, strict)
         with staged(dst, overwrite) as tmp:  # committed to dst when the block ends, removed if it fails
             part = _write(job, fn, source, tmp, workers=workers, progress=progress, scheduler=scheduler, parts=parts)
         return summarize(dst, spec.name, source.problems, part, t0)
+
+
+def _noted(source: Source) -> Source:
+    """``source`` with a note for each group of its class names that differ only in case."""
+    source.notes.update(case_notes(source.classes) + case_notes(source.box_classes or [], what="box class"))
+    return source
 
 
 def _write(job: Job, fn: Callable[[Any], Result], source: Source, tmp: Path, *, workers: int | str,
@@ -122,7 +130,10 @@ def _append(src: Path | Reader, dst: Path, options: PackOptions, packed: bool, c
                                            if source.box_classes is not None else source.classes)
     source = dataclasses.replace(source, classes=classes, box_classes=box_classes,
                                  shape=declared_shape(old) or source.shape)
+    source.notes.update(case_notes(classes, since=len(old.classes)) + case_notes(
+        box_classes or [], since=len(old.box_class_names()), what="box class"))  # the clashes this append makes
     job, fn = plan(output_format(dst, old.format), options, source, strict)
+    job = dataclasses.replace(job, write_options=dataclasses.replace(job.write_options, first_key=first_key(old)))
     name = part_name(dst, old)
     tmp = temp_name(dst / name)
     try:

@@ -31,8 +31,10 @@ from packio.manifest import DIGEST, MANIFEST_NAME, Manifest, describe_files, fil
 from packio.options import PackOptions
 from packio.pack.commit import TMP_MARK, fsync_tree, remove, stale, temp_name
 from packio.pack.prepare import Packed, Result
+from packio.sources.names import class_name
 
-__all__ = ["BASE_PART", "existing", "stored_options", "merge_names", "Relabeled", "commit_part"]
+__all__ = ["BASE_PART", "existing", "stored_options", "merge_names", "Relabeled", "first_key", "part_entry",
+           "commit_part"]
 
 BASE_PART = "part-00000.json"  # the manifest of a single-part dataset's own files, once it has grown
 
@@ -75,14 +77,18 @@ def stored_options(dst: Path, m: Manifest, options: PackOptions) -> PackOptions:
 
 def merge_names(old: list[str], new: list[str]) -> tuple[list[str], np.ndarray]:
     """``old`` with the names of ``new`` it lacks appended (old ids never change), and
-    each ``new`` index's id in the merged list."""
+    each ``new`` index's id in the merged list. Names are compared as text (NFC, see
+    :mod:`packio.sources.names`): a dataset packed before names were stored in NFC
+    keeps its spelling, and the same name spelled otherwise gets its id."""
     merged = list(old)
-    at = {name: i for i, name in enumerate(merged)}
-    for name in new:
+    at: dict[str, int] = {}
+    for i, name in enumerate(merged):
+        at.setdefault(class_name(name), i)
+    for name in map(class_name, new):
         if name not in at:
             at[name] = len(merged)
             merged.append(name)
-    return merged, np.asarray([at[name] for name in new], np.int64)
+    return merged, np.asarray([at[class_name(name)] for name in new], np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +134,18 @@ def part_name(dst: Path, old: Manifest) -> str:
     if os.path.lexists(dst / name):
         remove(dst / name)  # never committed: no version of the dataset lists it
     return name
+
+
+def first_key(old: Manifest) -> int:
+    """The first member key of a new part (tar names members by number): past every key
+    of the listed parts, each counted from the first key it records (0: one written before
+    parts recorded it, or the dataset's own first part)."""
+    ends = [old.count]
+    for p in old.extra.get("parts", []):
+        k = p.get("first_key") if isinstance(p, dict) else None
+        if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 1 << 53 and isinstance(p.get("count"), int):
+            ends.append(k + p["count"])
+    return max(ends)
 
 
 def check_keys(dst: Path, tmp: Path) -> None:
@@ -181,7 +199,14 @@ def top_manifest(old: Manifest, part: dict[str, Any], name: str, files: dict[str
                "annotations": census.merge([s.get("annotations") or {}, n.get("annotations") or {}])}
     return Manifest(format=old.format, count=old.count + new.count, id=uuid.uuid4().hex, classes=new.classes,
                     box_classes=new.box_classes, image=image, source=old.source, files=files, summary=summary,
-                    extra={"parts": [*parts, {"path": name, "count": new.count}], "versions": versions})
+                    extra={"parts": [*parts, part_entry(name, new)], "versions": versions})
+
+
+def part_entry(name: str, m: Manifest) -> dict[str, Any]:
+    """A top manifest's entry for the part ``name`` with manifest ``m``: its count, and
+    its first member key where the format names members by number (tar)."""
+    k = m.extra.get("first_key")
+    return {"path": name, "count": m.count, **({"first_key": k} if k else {})}
 
 
 def _prefixed(root: Path, name: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from packio import census
 from packio.errors import PackioError
 from packio.formats import get_format
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
+from packio.pack.append import part_entry
 from packio.pack.commit import fsync_tree, remove, temp_name
 from packio.pack.prepare import Result
 from packio.pack.report import image_facts
@@ -80,7 +81,7 @@ def write_parts(job: Job, fn: Callable[[Any], Result], tasks: list[Any], root: P
     manifest = Manifest(format=job.format, count=count, classes=job.classes, box_classes=job.box_classes,
                         image=image_facts(job.image, done, stored, jpeg),
                         source=job.source,
-                        extra={"parts": [{"path": n, "count": r["count"]} for n, r in zip(names, results)]},
+                        extra={"parts": [part_entry(n, r["manifest"]) for n, r in zip(names, results)]},
                         summary={"packed": count, "skipped": dict(skipped), "duplicate_content": dup,
                                  "notes": dict(notes), "note": "duplicate_content counts within each part",
                                  "annotations": census.merge([r["annotations"] for r in results])},
@@ -106,7 +107,7 @@ def _run_parts(job: Job, fn: Callable[[Any], Result], tasks: list[Any], root: Pa
         suffix = get_format(job.format).suffixes[0]
         root.mkdir(parents=True)
         names = [f"part-{i:05d}{suffix}" for i in range(k)]
-        futures = [client.submit(_pack_part, _part_job(job, b - a), fn, tasks[a:b], str(root / name), pure=False,
+        futures = [client.submit(_pack_part, _part_job(job, a, b), fn, tasks[a:b], str(root / name), pure=False,
                                  retries=2, key=f"packio-{root.name}-{name}")
                    for (a, b), name in zip(zip(bounds[:-1], bounds[1:]), names)]
         try:
@@ -123,10 +124,10 @@ def _run_parts(job: Job, fn: Callable[[Any], Result], tasks: list[Any], root: Pa
     return names, results, nworkers
 
 
-def _part_job(job: Job, count: int) -> Job:
-    """One part's share of the planned tar shards."""
-    o = job.write_options
-    if not o.shards:
-        return job
-    share = max(1, math.ceil(o.shards * count / max(o.expected, 1)))
-    return dataclasses.replace(job, write_options=dataclasses.replace(o, shards=share, expected=count))
+def _part_job(job: Job, a: int, b: int) -> Job:
+    """The job of the part packing inputs ``a:b``: its share of the planned tar shards, its
+    first member key ``a`` (no part packs more samples than inputs: keys unique across parts)."""
+    o, count = job.write_options, b - a
+    share = max(1, math.ceil(o.shards * count / max(o.expected, 1))) if o.shards else 0
+    return dataclasses.replace(job, write_options=dataclasses.replace(o, shards=share, expected=count,
+                                                                      first_key=int(a)))

@@ -83,10 +83,27 @@ def describe_output(path: Path, m: Manifest) -> list[str]:
     lines: list[str] = spec.reader.describe(path, m) if spec is not None else []
     enc = m.image.get("encodings") or {}
     if enc:
-        step = (m.image.get("history") or [{}])[-1]
+        step = _whole_step(m.image.get("history") or [])
         lines.append(f"images:   {', '.join(f'{v} {k}' for k, v in enc.items())}: ".replace("raw", "uint8 pixels")
                      + _step_text(step))
     return lines
+
+
+def _whole_step(steps: list[Any]) -> dict[str, Any]:
+    """The step that made the whole dataset: its conversion and every ``convert --append``
+    after it (the parts share their settings), their results summed."""
+    steps = [s for s in steps if isinstance(s, dict)]
+    if not steps:
+        return {}
+    k = len(steps) - 1
+    while k > 0 and steps[k].get("appended"):
+        k -= 1
+    done: Counter[str] = Counter()
+    for s in steps[k:]:
+        result = s.get("result") if isinstance(s.get("result"), dict) else {}
+        done.update({str(what): n for what, n in result.items() if isinstance(n, int) and not isinstance(n, bool)})
+    quality = next((s["quality"] for s in steps[k:] if s.get("quality")), None)
+    return {**steps[k], "result": dict(done), "quality": quality}
 
 
 def describe_history(m: Manifest) -> list[str]:

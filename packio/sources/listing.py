@@ -13,6 +13,7 @@ import numpy as np
 from packio.errors import SourceError
 from packio.sources.csvrows import Rows, read_csv
 from packio.sources.join import join
+from packio.sources.names import class_name
 from packio.sources.strings import CHUNK, Strings, trim_heap
 from packio.sources.walk import Files, walk
 
@@ -87,7 +88,9 @@ class Scan:
 
 
 def _sort_classes(names: set[str]) -> list[str]:
-    """Sorted class names; numerically when all are integers (so '10' comes after '9')."""
+    """Sorted class names (in NFC: :func:`class_name`); numerically when all are integers (so '10'
+    comes after '9')."""
+    names = {class_name(n) for n in names}
     if names and all(n.isdigit() for n in names):
         return sorted(names, key=lambda n: (int(n), n))
     return sorted(names)
@@ -98,13 +101,13 @@ def _folder_names(files: Files) -> set[str]:
     when two or more names do. A flat or single-folder source (``BCCD/JPEGImages``) has
     none, and folders without images (``Annotations/``) name none."""
     names = {n for n, img in zip(files.folders, files.with_images) if img and n}
-    return names if len(names) > 1 else set()
+    return names if len({class_name(n) for n in names}) > 1 else set()
 
 
 def _remap(names: list[str], index: dict[str, int]) -> np.ndarray:
     """Lookup array: old id → index in the sorted class list (ids of unused names: -1); id -1 stays -1."""
     out = np.full(len(names) + 1, -1, np.int32)
-    out[:-1] = [index.get(n, -1) for n in names]
+    out[:-1] = [index.get(class_name(n), -1) for n in names]
     return out  # out[-1] == -1 serves id -1
 
 
@@ -136,7 +139,8 @@ def _image_labels(files: Files, rows: Rows, file_of: np.ndarray) -> tuple[list[s
     csv_names = {rows.image_names[x] for x in np.unique(rows.image_label[lab]).tolist()}
     classes = _sort_classes(folder_names | csv_names)
     index = {c: i for i, c in enumerate(classes)}
-    per_folder = np.asarray([index.get(n, -1) if n in folder_names else -1 for n in files.folders] + [-1], np.int64)
+    per_folder = np.asarray([index.get(class_name(n), -1) if n in folder_names else -1 for n in files.folders]
+                            + [-1], np.int64)
     labels = per_folder[files.folder].astype(np.int32) if len(files.folder) else np.zeros(0, np.int32)
     labels[file_of[lab]] = _remap(rows.image_names, index)[rows.image_label[lab]]
     return classes, labels
