@@ -197,7 +197,7 @@ def big_jpegs(root: Path, n: int, seed: int = 0) -> Path:
 def test_recommends_a_preresized_layout_for_large_jpegs(tmp_path, monkeypatch):
     src = big_jpegs(tmp_path / "big", 16)
     one_cpu = _files(tmp_path / "cg", {"cgroup.controllers": "cpu", "cpu.max": "100000 100000"})
-    d = diagnose(src, size=224, batch_size=8, seconds=8, cgroup_root=one_cpu, work=tmp_path)
+    d = diagnose(src, size=224, batch_size=8, seconds=5, cgroup_root=one_cpu, work=tmp_path)
     assert d.cpus == 1 and d.budget.cpu_quota == 1.0  # sized to the cgroup's 1 CPU, not the machine's
     assert d.sample == 16 and not [c.error for c in d.candidates if c.error]
     assert d.stages.share("decode") > 0.5 and d.stages.stored_hw == (1200, 1600)
@@ -231,7 +231,7 @@ def test_recommends_a_preresized_layout_for_large_jpegs(tmp_path, monkeypatch):
 def test_cli_doctor_on_a_packed_dataset(gen_folder, tmp_path, capsys):
     src, _ = gen_folder
     packio.convert(src, tmp_path / "d.lmdb", progress=False)
-    assert cli.main(["doctor", str(tmp_path / "d.lmdb"), "--seconds", "12", "--batch-size", "4", "--size", "64",
+    assert cli.main(["doctor", str(tmp_path / "d.lmdb"), "--seconds", "8", "--batch-size", "4", "--size", "64",
                      "--cpus", "1", "--step-ms", "10", "--quiet", "--work", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "as stored (lmdb)" in out and "recommendation:" in out
