@@ -11,13 +11,12 @@ largest N to those at the smallest.
 
     python benchmarks/scale.py --n 10000 100000 1000000
     python benchmarks/scale.py --n 10000 100000 --tree /work/main      # the same run on another tree
-    python benchmarks/scale.py --n 100000 --compare-tree /tmp/old     # read CPU, this tree vs another
 
 ``--tree`` puts that tree's ``packio`` first on the children's path (before/after
 comparisons: run once per tree with the same ``--work`` folder; the images are reused).
-``--compare-tree`` reads each packed output with that tree too, alternating the two
-trees ``--repeat`` times (the lowest CPU of each kept), and prints the read CPU ratio:
-the same run, the same files, two trees. Before each pack the free disk is checked
+Read CPU of two trees side by side (the same files, interleaved rounds, every format):
+``benchmarks/read_cpu.py --tree . OTHER``; here, the read column is this tree's, for its
+scaling with N. Before each pack the free disk is checked
 against the output size per sample measured at a smaller N (or a guess). Figures for
 claims come from a quiet machine (``flock /tmp/packio-timing.lock``).
 """
@@ -43,7 +42,10 @@ PACK = r"""
 import gc, json, os, resource, sys, time
 src, csv_path, dst, fmt, workers = sys.argv[1:6]
 import packio
-from packio.options import ResizeSpec
+try:
+    from packio.options import ResizeSpec
+except ImportError:  # older trees (b8708ae) kept it in packio.decode
+    from packio.decode import ResizeSpec
 def rss_kib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
@@ -161,16 +163,7 @@ def run(work: Path, n: int, fmt: str, tree: Path | None, workers: int, read_limi
     pack = child(PACK, [str(src), str(csv_path), str(dst), fmt, str(workers)], tree)
     out_bytes = _disk_bytes(dst)
     per_sample[fmt] = out_bytes / n
-    reads = [child(READ, [str(dst), str(read_limit)], tree)]
-    if ARGS.compare_tree:  # this tree and the other, alternating; the lowest CPU of each
-        other = [child(READ, [str(dst), str(read_limit)], ARGS.compare_tree)]
-        for _ in range(ARGS.repeat - 1):
-            reads.append(child(READ, [str(dst), str(read_limit)], tree))
-            other.append(child(READ, [str(dst), str(read_limit)], ARGS.compare_tree))
-        pack["other_read_cpu_s"] = min(r["read_cpu_s"] for r in other)
-        pack["other_batch_cpu_s"] = min(r["batch_cpu_s"] for r in other)
-    read = min(reads, key=lambda r: r["read_cpu_s"])
-    read["batch_cpu_s"] = min(r["batch_cpu_s"] for r in reads)
+    read = child(READ, [str(dst), str(read_limit)], tree)
     subprocess.run(["rm", "-rf", str(dst)], check=True)
     return {"n": n, "format": fmt, "out_bytes": out_bytes, **pack, **read}
 
@@ -180,9 +173,7 @@ def row(r: dict) -> str:
     return (f"{r['n']:>9} {r['format']:>7} {r['cpu_s'] / r['n'] * 1e6:9.1f} {r['peak_rss_kib'] / 1024:9.0f} "
             f"{growth:8.0f} {str(r['gc_collections']):>16} {r['open_ms']:8.1f} {r['reader_rss_kib'] / 1024:9.0f} "
             f"{r['read_cpu_s'] / r['read'] * 1e6:9.1f} {r['batch_cpu_s'] / r['read'] * 1e6:9.1f} "
-            f"{r['out_bytes'] / 2**20:9.0f}"
-            + (f" {r['other_read_cpu_s'] / r['read'] * 1e6:9.1f} {r['read_cpu_s'] / r['other_read_cpu_s']:6.2f}"
-               if "other_read_cpu_s" in r else ""))
+            f"{r['out_bytes'] / 2**20:9.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,15 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read", type=int, default=20_000, help="samples read per dataset for the read figure")
     ap.add_argument("--json", type=Path, help="also write every result here")
     ap.add_argument("--per-folder", type=int, default=0, help="images per sub-folder (0: one flat folder)")
-    ap.add_argument("--compare-tree", type=Path, help="also read each output with this tree's packio (read CPU ratio)")
-    ap.add_argument("--repeat", type=int, default=3, help="reads per tree with --compare-tree (lowest CPU kept)")
     ARGS = a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     print(f"tree: {a.tree or 'this checkout / installed packio'}; {a.distinct} distinct 64x64 q90 JPEGs; "
           f"workers={a.workers}; " + (f"{a.per_folder} per sub-folder" if a.per_folder else "one flat folder"))
     print(f"{'N':>9} {'format':>7} {'cpu us/s':>9} {'peak MiB':>9} {'B/sample':>8} {'gc gen0/1/2':>16} "
-          f"{'open ms':>8} {'read MiB':>9} {'read us/s':>9} {'batch us/s':>9} {'out MiB':>9}"
-          + (f" {'other us/s':>9} {'ratio':>6}" if a.compare_tree else ""))
+          f"{'open ms':>8} {'read MiB':>9} {'read us/s':>9} {'batch us/s':>9} {'out MiB':>9}")
     results: list[dict] = []
     per_sample: dict[str, float] = {}  # output bytes per sample, measured
     for n in sorted(a.n):
@@ -224,13 +212,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{fmt}: pack CPU/sample at {hi} = {r1['cpu_s'] / hi / (r0['cpu_s'] / lo):.2f} x at {lo}; "
                   f"read CPU/sample {r1['read_cpu_s'] / r1['read'] / (r0['read_cpu_s'] / r0['read']):.2f} x; "
                   f"converter peak RSS grows {grow:.0f} B per sample from {lo} to {hi}")
-    if a.compare_tree:
-        for r in results:
-            for what in ("read", "batch"):
-                ratio = r[f"{what}_cpu_s"] / r[f"other_{what}_cpu_s"]
-                how = "ds[i]" if what == "read" else "__getitems__ of 64"
-                print(f"{r['format']} at {r['n']}: read CPU per sample by {how} "
-                      f"{ratio:.2f} x the other tree's ({(1 - ratio) * 100:.0f} % lower)")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -8,6 +8,7 @@ reads every array; a batch needs no per-sample record parsing.
 
 from __future__ import annotations
 
+import shutil
 import struct
 from array import array
 from pathlib import Path
@@ -18,14 +19,15 @@ import numpy as np
 from packio import limits
 from packio.errors import FormatError
 from packio.formats.base import (FormatSpec, Reader, RecordFile, StoredBatch, WriteOptions, Writer,
-                                 decode_stored, fixed_image_shape, inside)
+                                 decode_stored, fixed_image_shape, inside, npy_header)
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
 from packio.manifest import Manifest
 from packio.sample import Sample
 
 __all__ = ["ArrayWriter", "ArrayReader", "FORMAT"]
 
-_KEY_CHUNK = 1 << 16  # keys turned into unicode at a time when keys.npy is written
+_KEY_CHUNK = 1 << 13  # keys turned into unicode at a time when keys.npy is written
+_SPILL = 1 << 13  # samples whose columns and keys are held before they go to the spill files
 _HEADER = 256  # bytes reserved for the .npy header, rewritten with the final N
 
 
@@ -56,7 +58,10 @@ class ArrayWriter(Writer):
         self._out.write(_npy_header((0, self._h, self._w, 3)))
         self._columns = ColumnBuffer()
         self._keys, self._key_ends = bytearray(), array("q")  # no Python object per sample
-        self._key_chars = 1
+        self._key_chars, self._key_bytes = 1, 0  # the longest key; key bytes spilled so far
+        # columns and keys go to files beside the output every _SPILL samples: held, they
+        # were ~100 B a sample at the peak of a pack; made into the .npy files at close
+        self._spill = {name: open(path / f".{name}.spill", "wb") for name in (*NAMES, "keys", "key_ends")}
         self._records = RecordFile(path)
 
     def add(self, sample: Sample) -> None:
@@ -66,42 +71,67 @@ class ArrayWriter(Writer):
         self._out.write(np.ascontiguousarray(img).data)
         self._columns.add(sample)
         self._keys += sample.key.encode("utf-8", "surrogatepass")
-        self._key_ends.append(len(self._keys))
+        self._key_ends.append(self._key_bytes + len(self._keys))
         self._key_chars = max(self._key_chars, len(sample.key))
         self._records.add(sample.record())
         self.count += 1
+        if not self.count % _SPILL:
+            self._flush()
+
+    def _flush(self) -> None:
+        """The columns and keys held so far appended to their spill files."""
+        for name, col in self._columns.drain().items():
+            self._spill[name].write(col.data)
+        self._spill["keys"].write(self._keys)
+        self._spill["key_ends"].write(self._key_ends)
+        self._key_bytes += len(self._keys)
+        self._keys, self._key_ends = bytearray(), array("q")
 
     def close(self) -> dict[str, Any]:
         self._out.seek(0)
         self._out.write(_npy_header((self.count, self._h, self._w, 3)))
         self._out.close()
-        save = lambda name, arr: np.save(self.path / name, arr, allow_pickle=False)  # noqa: E731
-        columns = self._columns.drain()
-        columns["box_offsets"] = np.concatenate([[0], columns["box_offsets"]]).astype(np.int64)
-        for name in list(columns):  # each column freed once saved
-            save(f"{name}.npy", columns.pop(name))
+        self._flush()
+        for f in self._spill.values():
+            f.close()
+        boxes = self._columns.boxes_drained
+        shapes = {"labels": (self.count,), "boxes": (boxes, 4), "box_labels": (boxes,),
+                  "box_offsets": (self.count + 1,)}
+        for name, dtype in (("labels", "<i8"), ("boxes", "<f4"), ("box_labels", "<i8"), ("box_offsets", "<i8")):
+            with open(self.path / f"{name}.npy", "wb") as f, open(self._spilled(name), "rb") as src:
+                npy_header(f, np.dtype(dtype), shapes[name])
+                if name == "box_offsets":
+                    f.write(np.zeros(1, np.int64).data)  # the column starts at 0; the spill holds the ends
+                shutil.copyfileobj(src, f, 1 << 20)
         self._save_keys()
+        for name in self._spill:
+            self._spilled(name).unlink()
         self._records.close()
         return {"images": "images.npy", "labels": "labels.npy", "shape": [self._h, self._w, 3]}
 
+    def _spilled(self, name: str) -> Path:
+        return self.path / f".{name}.spill"
+
     def _save_keys(self) -> None:
-        """``keys.npy`` as ``np.save`` writes it, a chunk of keys at a time: the whole
-        unicode array (4 B a character) is never held."""
+        """``keys.npy`` as ``np.save`` writes it, a chunk of keys at a time from the spill
+        files: the whole unicode array (4 B a character) is never held."""
         dtype = np.dtype(f"U{self._key_chars}")
-        header = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
-        header["shape"] = (self.count,)
-        ends = np.frombuffer(self._key_ends, np.int64) if self.count else np.zeros(0, np.int64)
-        with open(self.path / "keys.npy", "wb") as f:
-            np.lib.format.write_array_header_1_0(f, header)
+        with open(self.path / "keys.npy", "wb") as f, open(self._spilled("keys"), "rb") as data, \
+                open(self._spilled("key_ends"), "rb") as ends:
+            npy_header(f, dtype, (self.count,))
+            last = 0
             for k in range(0, self.count, _KEY_CHUNK):
-                part = ends[k:k + _KEY_CHUNK].tolist()
-                keys = (self._keys[a:b].decode("utf-8", "surrogatepass")
-                        for a, b in zip([int(ends[k - 1]) if k else 0, *part[:-1]], part))
-                f.write(np.fromiter(keys, dtype, len(part)).tobytes())
+                part = np.fromfile(ends, np.int64, min(_KEY_CHUNK, self.count - k)).tolist()
+                raw = data.read(part[-1] - last)
+                keys = (raw[a - last:b - last].decode("utf-8", "surrogatepass") for a, b in zip([last, *part[:-1]], part))
+                f.write(np.fromiter(keys, dtype, len(part)).data)
+                last = part[-1]
 
     def abort(self) -> None:
         self._out.close()
         self._records._out.close()
+        for f in self._spill.values():
+            f.close()
 
 
 class ArrayReader(Reader):

@@ -365,6 +365,14 @@ def _identity(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def npy_header(f: Any, dtype: Any, shape: tuple[int, ...]) -> None:
+    """Write the header ``np.save`` writes for a C-order array of ``dtype`` and ``shape``
+    (then its raw bytes follow): a column streamed to disk is byte for byte np.save's."""
+    header = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
+    header["shape"] = shape
+    np.lib.format.write_array_header_1_0(f, header)
+
+
 class RecordFile:
     """Records of formats that keep them apart from the payloads: one msgpack blob
     per sample concatenated in ``records.bin`` with ``records.idx.npy`` offsets."""

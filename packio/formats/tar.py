@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tarfile
 from collections import OrderedDict
 from pathlib import Path
@@ -24,7 +25,7 @@ from packio import limits
 from packio.decode import sniff
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside,
-                                 pack_record, payload_bytes, unpack_record)
+                                 npy_header, pack_record, payload_bytes, unpack_record)
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
 
@@ -33,6 +34,7 @@ __all__ = ["TarWriter", "TarReader", "FORMAT", "expand_pattern", "gather", "scan
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX = "index.npy"
 MAX_OPEN_SHARDS = 64  # shard descriptors one reader keeps open per process
+_SPILL = 1 << 13  # index rows a writer holds
 
 
 def _member(name: str, data: bytes | memoryview) -> tarfile.TarInfo:
@@ -48,9 +50,10 @@ class TarWriter(Writer):
         super().__init__(path, options)
         path.mkdir(parents=True)
         self._shards: list[str] = []
-        # 5 numbers per sample (see INDEX), room for the expected count made once: a growing
-        # array was copied at each growth, and the copies' holes stayed resident (~60 B/sample)
-        self._rows = np.empty((max(options.expected, 64), 5), np.int64)
+        # 5 numbers per sample (see INDEX), _SPILL rows at a time, then appended to a file
+        # beside the output (held, they were 40 B a sample at a pack's peak); index.npy at close
+        self._rows = np.empty((_SPILL, 5), np.int64)
+        self._spill = open(path / ".index.spill", "wb")
         self._tar: tarfile.TarFile | None = None
         self._in_shard = 0
         self._shard_bytes = 0
@@ -88,14 +91,14 @@ class TarWriter(Writer):
         row = [len(self._shards) - 1]
         for name, blob in ((f"{key}.{EXTENSIONS[sample.encoding]}", data), (f"{key}.json", rec)):
             row += [self._add(name, blob), len(blob)]
-        if self.count == len(self._rows):  # more samples than expected
-            self._rows = np.concatenate([self._rows, np.empty_like(self._rows)])
-        self._rows[self.count] = row
+        self._rows[self.count % _SPILL] = row
         if sample.label >= 0:
             self._add(f"{key}.cls", str(sample.label).encode())
         self._in_shard += 1
         self._shard_bytes += len(data) + len(rec) + 1536
         self.count += 1
+        if not self.count % _SPILL:
+            self._spill.write(self._rows.data)
 
     def _add(self, name: str, blob: bytes | memoryview) -> int:
         """Append one member; returns the offset of its data (header bytes counted here,
@@ -120,13 +123,19 @@ class TarWriter(Writer):
 
     def close(self) -> dict[str, Any]:
         self._close_shard()
-        np.save(self.path / INDEX, self._rows[:self.count], allow_pickle=False)
+        self._spill.write(self._rows[:self.count % _SPILL].data)
+        self._spill.close()
+        with open(self.path / INDEX, "wb") as f, open(self.path / ".index.spill", "rb") as spilled:
+            npy_header(f, np.int64, (self.count, 5))
+            shutil.copyfileobj(spilled, f, 1 << 20)
+        (self.path / ".index.spill").unlink()
         first = {"first_key": self.options.first_key} if self.options.first_key else {}
         return {"shards": self._shards, "index": INDEX, **first,
                 "index_columns": ["shard", "image_offset", "image_size", "json_offset", "json_size"],
                 "pattern": f"shard-{{000000..{max(len(self._shards) - 1, 0):06d}}}.tar"}
 
     def abort(self) -> None:
+        self._spill.close()
         if self._tar is not None:
             self._tar.close()
 

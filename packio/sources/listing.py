@@ -152,7 +152,10 @@ def _box_columns(rows: Rows, file_of: np.ndarray, keep: np.ndarray) -> tuple[lis
     names = {rows.box_names[x] for x in np.unique(rows.box_class[sel]).tolist() if x >= 0}
     box_classes = _sort_classes(names)
     sel = sel[keep[file_of[sel]]]
-    sel = sel[np.argsort(file_of[sel], kind="stable")]
+    of = file_of[sel]
+    if len(of) > 1 and (of[1:] < of[:-1]).any():  # rows not in file order (in order, as usual: no sort)
+        sel = sel[np.argsort(of, kind="stable")]
+    del of
     counts = np.bincount(file_of[sel], minlength=len(keep))[keep]
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
@@ -202,18 +205,29 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
     scan.classes, labels = _image_labels(files, rows, file_of)
     keep = ~bad
     scan.box_classes, (offsets, boxes, box_labels, frames) = _box_columns(rows, file_of, keep)
-    kept = np.flatnonzero(keep)
-    keys = files.keys.take(kept) if bad.any() else files.keys
-    scan.items = Listing(str(root), keys, labels[kept], offsets, boxes, box_labels, frames)
+    scan.info.update({"files": len(files.keys), "csv_rows": len(rows), "images_with_rows": _named(file_of, keep)})
+    del rows, file_of
+    trim_heap()  # the CSV's columns and the join's tables go before the listing's last columns are made
+    if bad.any():
+        kept = np.flatnonzero(keep)
+        keys, labels = files.keys.take(kept), labels[kept]
+    else:
+        keys = files.keys
+    scan.items = Listing(str(root), keys, labels, offsets, boxes, box_labels, frames)
     unlabelled = int((scan.items.labels < 0).sum())
     # a dataset with no image labels at all (say, boxes only) is not worth a note, unless the CSV has a label column
     if unlabelled and (unlabelled < len(scan.items) or scan.info.get("csv_labels", {}).get("images")):
         scan.notes[UNLABELLED] = unlabelled
-    scan.info.update({"files": len(files.keys), "csv_rows": len(rows),
-                      "images_with_rows": len(np.unique(file_of[file_of >= 0]))})
-    del rows, file_of, files, bad, keep, kept, labels
-    trim_heap()  # the CSV's columns and the join's tables: not held through the write
+    del files, bad, keep, labels
+    trim_heap()
     return scan
+
+
+def _named(file_of: np.ndarray, keep: np.ndarray) -> int:
+    """How many files a CSV row names (1 B a file; -1, no file, lands in the extra last slot)."""
+    named = np.zeros(len(keep) + 1, bool)
+    named[file_of] = True
+    return int(np.count_nonzero(named[:-1]))
 
 
 def _empty_columns() -> tuple[np.ndarray, ...]:
