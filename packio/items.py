@@ -198,11 +198,13 @@ class Decoder:
                      torch.from_numpy(stored.boxes), torch.from_numpy(stored.box_labels),
                      stored.counts.tolist(), list(stored.keys), torch.from_numpy(stored.index.astype(np.int64)))
 
-    def _shape(self, first: Sample | PackioError | None) -> tuple[int, int] | None:
-        """``(h, w)`` of the one buffer a batch starting with ``first`` is decoded into: the
-        resize target; unresized, the first image's size from its header (the samples whose
+    def _shape(self, first: Sample | PackioError | None, n: int) -> tuple[int, int] | None:
+        """``(h, w)`` of the one buffer a batch of ``n`` starting with ``first`` is decoded into:
+        the resize target; unresized, the first image's size from its header (the samples whose
         records give that size go into the buffer; one of another size comes out on its own).
-        None with a transform, with nothing to decode, or when the first sample is unreadable."""
+        None with a transform, with nothing to decode, when the first sample is unreadable, or
+        when ``n`` images of its size would be over the pixel limit: one header must not make
+        every sample of the batch cost that much (each is then decoded on its own)."""
         if not self.decode or self.transform is not None:
             return None
         if self.size is not None:
@@ -211,7 +213,7 @@ class Decoder:
             return None
         try:
             h, w = dec.stored_hw(first.payload, first.encoding, 0, 0)
-            dec.check_pixels(w, h)
+            dec.check_pixels(w, h * n)
         except ValueError:
             return None
         return h, w
@@ -223,7 +225,7 @@ class Decoder:
         per sample, no stacking copy)."""
         n = len(idx)
         first = sample(0) if n else None
-        shape = self._shape(first)
+        shape = self._shape(first, n)
         buf = batch_buffer((n, *shape, 3)) if shape is not None else None
         rows = buf.numpy() if buf is not None else None
         unresized = self.size is None

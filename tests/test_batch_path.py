@@ -3,6 +3,8 @@ per-sample path returns, through packio's loader and through a plain torch one."
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -163,3 +165,43 @@ def test_records_that_misstate_the_size_still_give_the_images_pixels(tmp_path, m
         for j, i in enumerate(order):
             assert torch.equal(batch[j]["image"], truth[i]), (order, i)
     assert isinstance(ds.__getitems__([1, 2, 4, 5]).image, torch.Tensor)
+
+
+def _sof_claims(data: bytes, h: int, w: int) -> bytes:
+    """A JPEG whose frame header claims ``h`` x ``w`` over its own (small) scan: damaged."""
+    b = bytearray(data)
+    at = max(b.find(b"\xff\xc0"), b.find(b"\xff\xc2"))
+    struct.pack_into(">HH", b, at + 5, h, w)
+    return bytes(b)
+
+
+def test_one_huge_header_does_not_size_every_row_of_the_batch(tmp_path, monkeypatch):
+    """An unresized batch's buffer is shaped by its first image's header: a (damaged) first
+    JPEG claiming up to the pixel limit (13000 x 13000) must not make the buffer n such images
+    (n x 507 MB: a raw allocation error, or that much shared memory filled in a worker). The batch stays bounded by
+    one image at the pixel limit; the damaged sample is skipped, the others are read."""
+    packio.convert(_one_size_folder(tmp_path / "src", hw=(16, 16)), tmp_path / "d.lmdb", progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", on_error="skip")
+    reader = ds.items.reader
+    truth = {i: ds[i]["image"] for i in range(len(ds))}
+    real = reader.read
+
+    def hostile(i):
+        s = real(i)
+        if i == 0:
+            s.payload = _sof_claims(bytes(s.payload), 5000, 5000)  # 8 x 5000 x 5000 > MAX_PIXELS
+        return s
+
+    made = []
+
+    def spy(shape):
+        made.append(shape)
+        assert np.prod(shape) <= 3 * packio.limits.MAX_PIXELS, f"batch buffer of {shape}"
+        return torch.empty(shape, dtype=torch.uint8)
+
+    monkeypatch.setattr(reader, "read", hostile)
+    monkeypatch.setattr(packio.items, "batch_buffer", spy)
+    batch = ds.__getitems__(list(range(8)))
+    assert batch.kept == [False] + [True] * 7
+    for j in range(1, 8):
+        assert torch.equal(batch[j]["image"], truth[j])
