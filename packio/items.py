@@ -115,11 +115,16 @@ def pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, strict: bo
 def _room(s: Sample) -> np.ndarray | None:
     """A fresh array of the size the sample's record gives, for its image to be decoded
     into (a JPEG then needs no separate header parse: the array bounds it); None when the
-    record gives no size or one over the pixel limit (the decode then checks the header)."""
+    record gives no size or one over the pixel limit (the decode then checks the header), or
+    when the process has no room for the size claimed (a record may claim far more than its
+    image: the image alone must still be read under a memory limit)."""
     h, w = s.height, s.width
     if isinstance(s.payload, np.ndarray) or h <= 0 or w <= 0 or h * w > limits.MAX_PIXELS:
         return None
-    return np.empty((h, w, 3), np.uint8)
+    try:
+        return np.empty((h, w, 3), np.uint8)
+    except MemoryError:
+        return None
 
 
 def _boxes_for(sample: Sample, out_h: int, out_w: int) -> np.ndarray:

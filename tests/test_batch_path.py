@@ -4,6 +4,8 @@ per-sample path returns, through packio's loader and through a plain torch one."
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -205,3 +207,34 @@ def test_one_huge_header_does_not_size_every_row_of_the_batch(tmp_path, monkeypa
     assert batch.kept == [False] + [True] * 7
     for j in range(1, 8):
         assert torch.equal(batch[j]["image"], truth[j])
+
+
+_ROOM_CHILD = r"""
+import resource, sys
+import packio, torch
+ds = packio.open_dataset(sys.argv[1])
+reader = ds.items.reader
+truth, real = ds[1]["image"], reader.read
+
+
+def claims_the_limit(i):
+    s = real(i)
+    s.height, s.width = 13000, 13000  # 169 M pixels: under MAX_PIXELS, 484 MiB decoded
+    return s
+
+
+reader.read = claims_the_limit
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20),) * 2)
+print("SAME" if torch.equal(ds[1]["image"], truth) else "DIFFERENT")
+"""
+
+
+def test_a_record_claiming_the_pixel_limit_reads_under_a_memory_limit(tmp_path):
+    """``ds[i]`` decodes into an array of the size the record claims: a tiny JPEG whose record
+    claims 13000 x 13000 must still be read (its own pixels) in a process with less room than
+    that claim (before: numpy's MemoryError, where the image itself needs 768 bytes)."""
+    packio.convert(_one_size_folder(tmp_path / "src", n=2, hw=(16, 16)), tmp_path / "d.lmdb", progress=False)
+    proc = subprocess.run([sys.executable, "-c", _ROOM_CHILD, str(tmp_path / "d.lmdb")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.stdout.strip() == "SAME", proc.stderr[-1500:]
