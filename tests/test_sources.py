@@ -128,3 +128,23 @@ def test_csv_with_a_packed_source_is_an_error(tmp_path):
         packio.convert(packed, tmp_path / "q.lmdb", csv=p, progress=False)
     assert main(["convert", packed, str(tmp_path / "r.lmdb"), "--csv", str(p), "--strict", "--quiet"]) == 2
     assert not (tmp_path / "q.lmdb").exists() and not (tmp_path / "r.lmdb").exists()
+
+
+@pytest.mark.parametrize("ends", ["\r", "\r\n", "mixed"])
+def test_csv_line_ends_other_than_newline_read_like_newline(tmp_path, ends):
+    """The columns are sized from a count of line ends: a CSV ending its lines with a lone
+    ``\\r`` (old Mac files; the csv module reads them) or mixing them must give the rows its
+    ``\\n`` twin gives, not 'the CSV grew while it was read'."""
+    from packio.sources.csvrows import read_csv
+
+    lines = ["filename,label"] + [f"x/i{k}.jpg,{'cat' if k % 3 else 'dog'}" for k in range(9)]
+    (tmp_path / "lf.csv").write_bytes(("\n".join(lines) + "\n").encode())
+    text = "".join(line + (ends if ends != "mixed" else ("\r", "\n", "\r\n")[k % 3])
+                   for k, line in enumerate(lines))
+    (tmp_path / "other.csv").write_bytes(text.encode())
+    skipped = []
+    want, _ = read_csv(tmp_path / "lf.csv", {}, lambda *a: skipped.append(a))
+    got, _ = read_csv(tmp_path / "other.csv", {}, lambda *a: skipped.append(a))
+    assert not skipped
+    assert list(got.names) == list(want.names) and len(got) == 9
+    assert got.image_label.tolist() == want.image_label.tolist() and got.image_names == want.image_names

@@ -260,10 +260,12 @@ def _drop_duplicates(parser: _Parser, rows: Rows) -> Rows:
 
 
 def _bounds(fd: int) -> tuple[int, int]:
-    """At most how many rows (lines) and file-name bytes (the file's size) the open CSV holds."""
+    """At most how many rows (lines) and file-name bytes (the file's size) the open CSV holds.
+    A line ends at ``\n``, ``\r\n`` or a lone ``\r`` (the csv module's rule; old Mac files);
+    a ``\r\n`` split between two blocks counts twice, which keeps this an upper bound."""
     lines = size = 0
     while block := os.pread(fd, 1 << 20, size):
-        lines += block.count(b"\n")
+        lines += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
         size += len(block)
     return lines + 1, size
 
