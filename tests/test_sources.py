@@ -148,3 +148,28 @@ def test_csv_line_ends_other_than_newline_read_like_newline(tmp_path, ends):
     assert not skipped
     assert list(got.names) == list(want.names) and len(got) == 9
     assert got.image_label.tolist() == want.image_label.tolist() and got.image_names == want.image_names
+
+
+def test_a_csv_that_is_no_regular_file_is_refused_at_once(tmp_path):
+    """The CSV's row bound is read off the file first: /dev/zero never ends and a FIFO blocks
+    (or cannot be read at an offset); both are a SourceError before any read."""
+    import os
+
+    from packio.sources.csvrows import read_csv
+
+    import threading
+
+    os.mkfifo(tmp_path / "rows.csv")
+    for path in (Path("/dev/zero"), tmp_path / "rows.csv"):
+        got: list[BaseException] = []
+
+        def read(path=path):
+            try:
+                read_csv(path, {}, lambda *a: None)
+            except BaseException as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=read, daemon=True)  # daemon: a hang fails the test, not the suite
+        t.start()
+        t.join(10)
+        assert got and isinstance(got[0], packio.SourceError) and "not a regular file" in str(got[0]), (path, got)

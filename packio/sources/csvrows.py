@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+import stat
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,6 +275,8 @@ def read_csv(path: Path, columns: dict[str, str], skip: Skip) -> tuple[Rows, dic
     """Parse annotation rows (bad rows are skipped and counted, bad headers raise), and
     facts for the manifest (which columns were used for what)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block, /dev/zero never end
+            raise SourceError(f"{path}: the CSV is not a regular file; give a file (a copy of the stream)")
         fh = open(path, newline="", encoding="utf-8-sig")
     except OSError as exc:
         raise SourceError(f"{path}: cannot open the CSV ({exc.strerror})") from None
