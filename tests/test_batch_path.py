@@ -238,3 +238,17 @@ def test_a_record_claiming_the_pixel_limit_reads_under_a_memory_limit(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _ROOM_CHILD, str(tmp_path / "d.lmdb")], capture_output=True,
                           text=True, timeout=60)
     assert proc.stdout.strip() == "SAME", proc.stderr[-1500:]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+def test_decode_into_an_out_of_another_dtype_gives_its_values(dtype):
+    """``decode(out=...)`` with an ``out`` that is not uint8: simplejpeg would write the
+    pixel bytes into its memory and ``out`` would come back as those bytes reinterpreted
+    (floats made of pixel bytes); the values must be the image's, cast."""
+    from conftest import jpeg
+
+    data = jpeg(16, 24, seed=3)
+    want = packio.decode.decode(data)
+    out = np.zeros((16, 24, 3), dtype)
+    got = packio.decode.decode(data, out=out)
+    assert got.shape == want.shape and np.array_equal(got.astype(np.int64), want.astype(np.int64))
