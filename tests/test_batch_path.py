@@ -247,8 +247,9 @@ def test_decode_into_an_out_of_another_dtype_gives_its_values(dtype):
     (floats made of pixel bytes); the values must be the image's, cast."""
     from conftest import jpeg
 
+    from packio.decode import decode
+
     data = jpeg(16, 24, seed=3)
-    want = packio.decode.decode(data)
-    out = np.zeros((16, 24, 3), dtype)
-    got = packio.decode.decode(data, out=out)
+    want = decode(data)
+    got = decode(data, out=np.zeros((16, 24, 3), dtype))
     assert got.shape == want.shape and np.array_equal(got.astype(np.int64), want.astype(np.int64))
