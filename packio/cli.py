@@ -130,6 +130,12 @@ def _manifest_and_bytes(path: str) -> tuple[Any, int]:
     return reader.manifest, disk_bytes(Path(path))
 
 
+def _printable(text: str) -> str:
+    """``text`` with the characters a terminal would act on (escapes, control and format
+    characters, as a hostile manifest's names may hold) written as Python escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _cmd_info(a: argparse.Namespace) -> int:
     from packio.pack.report import describe_history, describe_output
     from packio.urls import is_url
@@ -139,31 +145,32 @@ def _cmd_info(a: argparse.Namespace) -> int:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
     p = Path(a.path)
-    print(f"path:     {a.path}")
-    print(f"format:   {m.format} (layout version {m.version})")
-    print(f"samples:  {m.count}")
-    print(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
+    say = lambda text: print(_printable(text))  # noqa: E731  (stored names may hold terminal escapes)
+    say(f"path:     {a.path}")
+    say(f"format:   {m.format} (layout version {m.version})")
+    say(f"samples:  {m.count}")
+    say(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
     parts = m.extra.get("parts")
     if isinstance(parts, list) and all(isinstance(x, dict) for x in parts):
         listed = [f"{x.get('path')} ({x.get('count')} samples)" for x in parts[:20]]
-        print(f"parts:    {len(parts)}: {', '.join(listed)}{' ...' if len(parts) > 20 else ''}")
-    print(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
+        say(f"parts:    {len(parts)}: {', '.join(listed)}{' ...' if len(parts) > 20 else ''}")
+    say(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
     if m.box_classes is not None:
         bc = m.box_classes
-        print(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
+        say(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
     for line in describe_output(p, m):  # a URL: Path() merged its '//'
-        print(line.replace(str(p.parent), a.path.rsplit("/", 1)[0]) if is_url(a.path) else line)
+        say(line.replace(str(p.parent), a.path.rsplit("/", 1)[0]) if is_url(a.path) else line)
     shape = m.image.get("shape")
-    print(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
-    print(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))
+    say(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
+    say(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))
     for i, line in enumerate(describe_history(m)):
-        print(f"{'history:' if i == 0 else '':9s} {line}")
+        say(f"{'history:' if i == 0 else '':9s} {line}")
     from packio.census import describe as describe_annotations
 
     for line in describe_annotations(m):
-        print(line)
-    print(f"skipped:  {json.dumps(m.summary.get('skipped', {}))}")
-    print(f"files:    {len(m.files)} listed with checksums")
+        say(line)
+    say(f"skipped:  {json.dumps(m.summary.get('skipped', {}))}")
+    say(f"files:    {len(m.files)} listed with checksums")
     return 0
 
 

@@ -251,8 +251,10 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
     ``out``, so ``out`` bounds it (make it no larger than ``max_pixels`` allows).
     Raises ``ValueError`` when no backend can decode the bytes.
     """
-    if out is not None and data[:3] == b"\xff\xd8\xff" and backend in ("auto", "simplejpeg") \
-            and min_size is None and not apply_exif:  # a JPEG (sniff's test, without its copy)
+    if out is not None and out.dtype == np.uint8 and data[:3] == b"\xff\xd8\xff" \
+            and backend in ("auto", "simplejpeg") and min_size is None and not apply_exif:
+        # a JPEG (sniff's test, without its copy); simplejpeg writes bytes into any buffer,
+        # so an ``out`` of another dtype would come back as those bytes reinterpreted
         got = _simplejpeg_into(data, strict, out)
         if got is not None:
             return got

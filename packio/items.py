@@ -115,11 +115,16 @@ def pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, strict: bo
 def _room(s: Sample) -> np.ndarray | None:
     """A fresh array of the size the sample's record gives, for its image to be decoded
     into (a JPEG then needs no separate header parse: the array bounds it); None when the
-    record gives no size or one over the pixel limit (the decode then checks the header)."""
+    record gives no size or one over the pixel limit (the decode then checks the header), or
+    when the process has no room for the size claimed (a record may claim far more than its
+    image: the image alone must still be read under a memory limit)."""
     h, w = s.height, s.width
     if isinstance(s.payload, np.ndarray) or h <= 0 or w <= 0 or h * w > limits.MAX_PIXELS:
         return None
-    return np.empty((h, w, 3), np.uint8)
+    try:
+        return np.empty((h, w, 3), np.uint8)
+    except MemoryError:
+        return None
 
 
 def _boxes_for(sample: Sample, out_h: int, out_w: int) -> np.ndarray:
@@ -198,11 +203,13 @@ class Decoder:
                      torch.from_numpy(stored.boxes), torch.from_numpy(stored.box_labels),
                      stored.counts.tolist(), list(stored.keys), torch.from_numpy(stored.index.astype(np.int64)))
 
-    def _shape(self, first: Sample | PackioError | None) -> tuple[int, int] | None:
-        """``(h, w)`` of the one buffer a batch starting with ``first`` is decoded into: the
-        resize target; unresized, the first image's size from its header (the samples whose
+    def _shape(self, first: Sample | PackioError | None, n: int) -> tuple[int, int] | None:
+        """``(h, w)`` of the one buffer a batch of ``n`` starting with ``first`` is decoded into:
+        the resize target; unresized, the first image's size from its header (the samples whose
         records give that size go into the buffer; one of another size comes out on its own).
-        None with a transform, with nothing to decode, or when the first sample is unreadable."""
+        None with a transform, with nothing to decode, when the first sample is unreadable, or
+        when ``n`` images of its size would be over the pixel limit: one header must not make
+        every sample of the batch cost that much (each is then decoded on its own)."""
         if not self.decode or self.transform is not None:
             return None
         if self.size is not None:
@@ -211,7 +218,7 @@ class Decoder:
             return None
         try:
             h, w = dec.stored_hw(first.payload, first.encoding, 0, 0)
-            dec.check_pixels(w, h)
+            dec.check_pixels(w, h * n)
         except ValueError:
             return None
         return h, w
@@ -223,7 +230,7 @@ class Decoder:
         per sample, no stacking copy)."""
         n = len(idx)
         first = sample(0) if n else None
-        shape = self._shape(first)
+        shape = self._shape(first, n)
         buf = batch_buffer((n, *shape, 3)) if shape is not None else None
         rows = buf.numpy() if buf is not None else None
         unresized = self.size is None

@@ -3,6 +3,10 @@ per-sample path returns, through packio's loader and through a plain torch one."
 
 from __future__ import annotations
 
+import struct
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -163,3 +167,89 @@ def test_records_that_misstate_the_size_still_give_the_images_pixels(tmp_path, m
         for j, i in enumerate(order):
             assert torch.equal(batch[j]["image"], truth[i]), (order, i)
     assert isinstance(ds.__getitems__([1, 2, 4, 5]).image, torch.Tensor)
+
+
+def _sof_claims(data: bytes, h: int, w: int) -> bytes:
+    """A JPEG whose frame header claims ``h`` x ``w`` over its own (small) scan: damaged."""
+    b = bytearray(data)
+    at = max(b.find(b"\xff\xc0"), b.find(b"\xff\xc2"))
+    struct.pack_into(">HH", b, at + 5, h, w)
+    return bytes(b)
+
+
+def test_one_huge_header_does_not_size_every_row_of_the_batch(tmp_path, monkeypatch):
+    """An unresized batch's buffer is shaped by its first image's header: a (damaged) first
+    JPEG claiming up to the pixel limit (13000 x 13000) must not make the buffer n such images
+    (n x 507 MB: a raw allocation error, or that much shared memory filled in a worker). The batch stays bounded by
+    one image at the pixel limit; the damaged sample is skipped, the others are read."""
+    packio.convert(_one_size_folder(tmp_path / "src", hw=(16, 16)), tmp_path / "d.lmdb", progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", on_error="skip")
+    reader = ds.items.reader
+    truth = {i: ds[i]["image"] for i in range(len(ds))}
+    real = reader.read
+
+    def hostile(i):
+        s = real(i)
+        if i == 0:
+            s.payload = _sof_claims(bytes(s.payload), 5000, 5000)  # 8 x 5000 x 5000 > MAX_PIXELS
+        return s
+
+    made = []
+
+    def spy(shape):
+        made.append(shape)
+        assert np.prod(shape) <= 3 * packio.limits.MAX_PIXELS, f"batch buffer of {shape}"
+        return torch.empty(shape, dtype=torch.uint8)
+
+    monkeypatch.setattr(reader, "read", hostile)
+    monkeypatch.setattr(packio.items, "batch_buffer", spy)
+    batch = ds.__getitems__(list(range(8)))
+    assert batch.kept == [False] + [True] * 7
+    for j in range(1, 8):
+        assert torch.equal(batch[j]["image"], truth[j])
+
+
+_ROOM_CHILD = r"""
+import resource, sys
+import packio, torch
+ds = packio.open_dataset(sys.argv[1])
+reader = ds.items.reader
+truth, real = ds[1]["image"], reader.read
+
+
+def claims_the_limit(i):
+    s = real(i)
+    s.height, s.width = 13000, 13000  # 169 M pixels: under MAX_PIXELS, 484 MiB decoded
+    return s
+
+
+reader.read = claims_the_limit
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20),) * 2)
+print("SAME" if torch.equal(ds[1]["image"], truth) else "DIFFERENT")
+"""
+
+
+def test_a_record_claiming_the_pixel_limit_reads_under_a_memory_limit(tmp_path):
+    """``ds[i]`` decodes into an array of the size the record claims: a tiny JPEG whose record
+    claims 13000 x 13000 must still be read (its own pixels) in a process with less room than
+    that claim (before: numpy's MemoryError, where the image itself needs 768 bytes)."""
+    packio.convert(_one_size_folder(tmp_path / "src", n=2, hw=(16, 16)), tmp_path / "d.lmdb", progress=False)
+    proc = subprocess.run([sys.executable, "-c", _ROOM_CHILD, str(tmp_path / "d.lmdb")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.stdout.strip() == "SAME", proc.stderr[-1500:]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+def test_decode_into_an_out_of_another_dtype_gives_its_values(dtype):
+    """``decode(out=...)`` with an ``out`` that is not uint8: simplejpeg would write the
+    pixel bytes into its memory and ``out`` would come back as those bytes reinterpreted
+    (floats made of pixel bytes); the values must be the image's, cast."""
+    from conftest import jpeg
+
+    from packio.decode import decode
+
+    data = jpeg(16, 24, seed=3)
+    want = decode(data)
+    got = decode(data, out=np.zeros((16, 24, 3), dtype))
+    assert got.shape == want.shape and np.array_equal(got.astype(np.int64), want.astype(np.int64))

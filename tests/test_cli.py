@@ -81,3 +81,24 @@ def test_help_everywhere():
     for cmd in ([], ["convert"], ["info"], ["verify"], ["bench"]):
         r = run(*cmd, "--help")
         assert r.returncode == 0 and "usage:" in r.stdout
+
+
+def test_info_shows_terminal_escapes_in_names_escaped(tmp_path, capsys):
+    """A class folder may be named with a terminal escape (a stranger's dataset, or a hostile
+    manifest's names): ``packio info`` prints names, so it must write such characters as
+    escapes, never send them to the terminal (which would act on them: colours, a title,
+    a cleared screen)."""
+    from conftest import jpeg
+
+    from packio import convert
+    from packio.cli import main
+
+    name = "cat\x1b[2J\x1b]0;owned\x07"
+    for k, folder in enumerate((name, "dog")):
+        (tmp_path / "src" / folder).mkdir(parents=True)
+        (tmp_path / "src" / folder / "a.jpg").write_bytes(jpeg(8, 8, seed=k))
+    convert(tmp_path / "src", tmp_path / "d.lmdb", progress=False)
+    assert main(["info", str(tmp_path / "d.lmdb")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "cat\\x1b[2J\\x1b]0;owned\\x07" in out

@@ -128,3 +128,48 @@ def test_csv_with_a_packed_source_is_an_error(tmp_path):
         packio.convert(packed, tmp_path / "q.lmdb", csv=p, progress=False)
     assert main(["convert", packed, str(tmp_path / "r.lmdb"), "--csv", str(p), "--strict", "--quiet"]) == 2
     assert not (tmp_path / "q.lmdb").exists() and not (tmp_path / "r.lmdb").exists()
+
+
+@pytest.mark.parametrize("ends", ["\r", "\r\n", "mixed"])
+def test_csv_line_ends_other_than_newline_read_like_newline(tmp_path, ends):
+    """The columns are sized from a count of line ends: a CSV ending its lines with a lone
+    ``\\r`` (old Mac files; the csv module reads them) or mixing them must give the rows its
+    ``\\n`` twin gives, not 'the CSV grew while it was read'."""
+    from packio.sources.csvrows import read_csv
+
+    lines = ["filename,label"] + [f"x/i{k}.jpg,{'cat' if k % 3 else 'dog'}" for k in range(9)]
+    (tmp_path / "lf.csv").write_bytes(("\n".join(lines) + "\n").encode())
+    text = "".join(line + (ends if ends != "mixed" else ("\r", "\n", "\r\n")[k % 3])
+                   for k, line in enumerate(lines))
+    (tmp_path / "other.csv").write_bytes(text.encode())
+    skipped = []
+    want, _ = read_csv(tmp_path / "lf.csv", {}, lambda *a: skipped.append(a))
+    got, _ = read_csv(tmp_path / "other.csv", {}, lambda *a: skipped.append(a))
+    assert not skipped
+    assert list(got.names) == list(want.names) and len(got) == 9
+    assert got.image_label.tolist() == want.image_label.tolist() and got.image_names == want.image_names
+
+
+def test_a_csv_that_is_no_regular_file_is_refused_at_once(tmp_path):
+    """The CSV's row bound is read off the file first: /dev/zero never ends and a FIFO blocks
+    (or cannot be read at an offset); both are a SourceError before any read."""
+    import os
+
+    from packio.sources.csvrows import read_csv
+
+    import threading
+
+    os.mkfifo(tmp_path / "rows.csv")
+    for path in (Path("/dev/zero"), tmp_path / "rows.csv"):
+        got: list[BaseException] = []
+
+        def read(path=path):
+            try:
+                read_csv(path, {}, lambda *a: None)
+            except BaseException as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=read, daemon=True)  # daemon: a hang fails the test, not the suite
+        t.start()
+        t.join(10)
+        assert got and isinstance(got[0], packio.SourceError) and "not a regular file" in str(got[0]), (path, got)

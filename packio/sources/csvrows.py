@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+import stat
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,10 +261,12 @@ def _drop_duplicates(parser: _Parser, rows: Rows) -> Rows:
 
 
 def _bounds(fd: int) -> tuple[int, int]:
-    """At most how many rows (lines) and file-name bytes (the file's size) the open CSV holds."""
+    """At most how many rows (lines) and file-name bytes (the file's size) the open CSV holds.
+    A line ends at ``\n``, ``\r\n`` or a lone ``\r`` (the csv module's rule; old Mac files);
+    a ``\r\n`` split between two blocks counts twice, which keeps this an upper bound."""
     lines = size = 0
     while block := os.pread(fd, 1 << 20, size):
-        lines += block.count(b"\n")
+        lines += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
         size += len(block)
     return lines + 1, size
 
@@ -272,6 +275,8 @@ def read_csv(path: Path, columns: dict[str, str], skip: Skip) -> tuple[Rows, dic
     """Parse annotation rows (bad rows are skipped and counted, bad headers raise), and
     facts for the manifest (which columns were used for what)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block, /dev/zero never end
+            raise SourceError(f"{path}: the CSV is not a regular file; give a file (a copy of the stream)")
         fh = open(path, newline="", encoding="utf-8-sig")
     except OSError as exc:
         raise SourceError(f"{path}: cannot open the CSV ({exc.strerror})") from None
