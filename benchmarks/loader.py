@@ -158,6 +158,23 @@ def _w2_copies(arr: Any) -> dict[str, Callable[[], int]]:
     return {"L2": l2, "copy batch: memcpy": memcpy_runs, "copy batch: np.take": take_runs}
 
 
+def _arrays_dataset(path: str | None, prefix: str) -> tuple[tempfile.TemporaryDirectory, str]:
+    """``path`` checked to be a packed ``.arrays`` dataset, or (None) a generated 2,000-sample
+    SIZE x SIZE one in a temporary folder (kept alive by the returned handle)."""
+    import packio
+
+    tmp = tempfile.TemporaryDirectory(prefix=prefix)
+    if path is None:
+        from packio.bench.synth import make_photo_folder
+
+        src, csv = make_photo_folder(Path(tmp.name) / "src", 2000, size=(240, 320))
+        path = str(Path(tmp.name) / "d.arrays")
+        packio.convert(src, path, csv=csv, resize=packio.ResizeSpec(size=(SIZE, SIZE)), progress=False)
+    need([path] if (Path(path) / "images.npy").is_file() else [], f"arrays dataset at {path}",
+         "pass a packed .arrays folder to --path")
+    return tmp, path
+
+
 def w2(argv: list[str]) -> int:
     """W2 (pre-resized uint8 arrays) against the memcpy limit L2 (per-sample ``np.copyto``
     out of the page-cached memmap), in one process: packio.DataLoader with 0 and 2 workers,
@@ -173,15 +190,8 @@ def w2(argv: list[str]) -> int:
 
     import packio
 
-    tmp = tempfile.TemporaryDirectory(prefix="packio-w2-")
-    if a.path is None:
-        from packio.bench.synth import make_photo_folder
-
-        src, csv = make_photo_folder(Path(tmp.name) / "src", 2000, size=(240, 320))
-        a.path = str(Path(tmp.name) / "d.arrays")
-        packio.convert(src, a.path, csv=csv, resize=packio.ResizeSpec(size=(SIZE, SIZE)), progress=False)
+    tmp, a.path = _arrays_dataset(a.path, "packio-w2-")
     npy = Path(a.path) / "images.npy"
-    need([npy] if npy.is_file() else [], f"arrays dataset at {a.path}", "pass a packed .arrays folder to --path")
     arr = np.load(npy, mmap_mode="r")
     runs = _w2_copies(arr)
     ds = packio.open_dataset(a.path)
@@ -276,17 +286,7 @@ def w2cpu(argv: list[str]) -> int:
     ap.add_argument("--seconds", type=float, default=1.0, help="CPU seconds per case per round")
     ap.add_argument("--no-pad", action="store_true", help="consume without the harness's box padding")
     a = ap.parse_args(argv)
-    import packio
-
-    tmp = tempfile.TemporaryDirectory(prefix="packio-w2cpu-")
-    if a.path is None:
-        from packio.bench.synth import make_photo_folder
-
-        src, csv = make_photo_folder(Path(tmp.name) / "src", 2000, size=(240, 320))
-        a.path = str(Path(tmp.name) / "d.arrays")
-        packio.convert(src, a.path, csv=csv, resize=packio.ResizeSpec(size=(SIZE, SIZE)), progress=False)
-    need([a.path] if (Path(a.path) / "images.npy").is_file() else [], f"arrays dataset at {a.path}",
-          "pass a packed .arrays folder to --path")
+    tmp, a.path = _arrays_dataset(a.path, "packio-w2cpu-")
     cases = _w2cpu_cases(a.path, not a.no_pad)
     for run in cases.values():  # warm-up: page cache, this process' page tables, pools
         run()

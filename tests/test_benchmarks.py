@@ -66,13 +66,19 @@ def test_interleaved_alternates_order_and_medians_skip_failures(capsys):
     assert median([float("nan")]) != median([float("nan")])  # nan: nothing measured
 
 
-def test_w2_runs_end_to_end_on_tiny_data(gen_folder, tmp_path):
+@pytest.fixture
+def tiny_arrays(gen_folder, tmp_path):
+    """The generated folder packed as a 32x32 ``.arrays`` dataset."""
     import packio
 
     src, csv = gen_folder
     dst = tmp_path / "d.arrays"
     packio.convert(src, dst, csv=csv, resize=packio.ResizeSpec(size=(32, 32)), progress=False)
-    r = run(str(BENCH / "loader.py"), "w2", "--path", str(dst), "--rounds", "1", "--seconds", "0.01")
+    return dst
+
+
+def test_w2_runs_end_to_end_on_tiny_data(tiny_arrays):
+    r = run(str(BENCH / "loader.py"), "w2", "--path", str(tiny_arrays), "--rounds", "1", "--seconds", "0.01")
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("| packio nw=")]
     assert len(rows) == 4 and all(float(line.split("|")[2]) > 0 for line in rows), r.stdout
@@ -134,13 +140,8 @@ def test_peers_dali_without_dali_says_how_to_install():
     assert r.returncode != 0 and "pip install nvidia-dali-cuda130" in r.stderr
 
 
-def test_w2cpu_runs_end_to_end_on_tiny_data(gen_folder, tmp_path):
-    import packio
-
-    src, csv = gen_folder
-    dst = tmp_path / "d.arrays"
-    packio.convert(src, dst, csv=csv, resize=packio.ResizeSpec(size=(32, 32)), progress=False)
-    r = run(str(BENCH / "loader.py"), "w2cpu", "--path", str(dst), "--rounds", "1", "--seconds", "0.01")
+def test_w2cpu_runs_end_to_end_on_tiny_data(tiny_arrays):
+    r = run(str(BENCH / "loader.py"), "w2cpu", "--path", str(tiny_arrays), "--rounds", "1", "--seconds", "0.01")
     assert r.returncode == 0, r.stderr
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith(("| L2", "| packio nw=0"))]
     assert len(rows) == 3 and all(float(row[2]) > 0 and float(row[5]) > 0 for row in rows), r.stdout

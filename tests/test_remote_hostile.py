@@ -72,24 +72,15 @@ class _Hostile(Quiet, http.server.SimpleHTTPRequestHandler):
             self.send_error(404)
             return
         data = path.read_bytes()
-        rng = self.headers.get("Range")
-        status, start, end = 200, 0, len(data)
-        if rng and mode != "norange":
-            a, _, b = rng[6:].partition("-")
-            start, end, status = int(a), min(len(data), int(b) + 1 if b else len(data)), 206
-        self.send_response(status)
-        self.send_header("Content-Length", str(end - start))
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-        self.end_headers()
+        part = self._head_of(data, ranges=mode != "norange")
         if not body:
             return
         if mode == "stall" and path.suffix == ".tar":
-            self.wfile.write(data[start:start + 10])
+            self.wfile.write(data[part.start:part.start + 10])
             self.wfile.flush()
             time.sleep(30)  # a server that stops sending mid-body
             return
-        self.wfile.write(data[start:end])
+        self.wfile.write(data[part])
 
     def _misbehave(self, mode: str, path: Path) -> None:
         """``endless_shard``: a 206 (or 200) whose body never ends (64 MiB, then the server

@@ -39,18 +39,9 @@ class _Flipping(Quiet, http.server.BaseHTTPRequestHandler):
             s.gets[name] = s.gets.get(name, 0) + 1  # type: ignore[attr-defined]
             if s.gets[name] == s.flip_at:  # type: ignore[attr-defined]
                 data = s.other[name]  # type: ignore[attr-defined]
-        start, end, status = 0, len(data), 200
-        rng = self.headers.get("Range")
-        if rng:
-            a, _, b = rng[6:].partition("-")
-            start, end, status = int(a), min(len(data), int(b) + 1 if b else len(data)), 206
-        self.send_response(status)
-        self.send_header("Content-Length", str(end - start))
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-        self.end_headers()
+        part = self._head_of(data)
         if body:
-            self.wfile.write(data[start:end])
+            self.wfile.write(data[part])
 
     def _endless(self, body: bool) -> None:
         """No Content-Length, and a body without end (32 MiB, then the server gives up)."""
