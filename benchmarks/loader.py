@@ -1,6 +1,8 @@
 """Read paths against the machine's limits (``python benchmarks/loader.py COMMAND --help``).
 
     w1      W1 (decode + resize 224, batches of 64) vs L1, each run a fresh process; --compare A/B
+    w1cpu   W1 CPU µs per sample of packio nw=0 (1 and 2 decode threads) vs L1's decode + resize of the
+            same bytes in one process (the peers harness's dec_simplejpeg), consumed as the harness does
     w2      W2 (pre-resized uint8 arrays) vs the memcpy limit L2, in one process
     w2cpu   W2 CPU µs per sample (process and main-thread CPU time) of packio nw=0 (1 and 2 threads)
             vs the peers harness's L2 (batch memcpy into one reused buffer), consumed as the harness does
@@ -106,6 +108,91 @@ def _w1_report(med: dict[str, float], cpu: dict[str, float]) -> None:
                      f"{cpu[k]:.0f}", f"{cpu[same] / cpu[k]:.3f}"))
     table(("run", "samples/s", "× L1 (same cores)", "× L1 x2", "× best", "CPU µs/sample", "L1 CPU / this"), rows,
           "W1, medians of interleaved rounds")
+
+
+def _l1_decode(buf: bytes) -> Any:
+    """The peers harness's L1 decoder (``dec_simplejpeg``): power-of-two DCT scale while both
+    sides stay >= 224, then one INTER_LINEAR resize into a fresh array."""
+    import cv2
+    import simplejpeg
+
+    h, w, _, _ = simplejpeg.decode_jpeg_header(buf)
+    for k in (8, 4, 2):
+        if w >= SIZE * k and h >= SIZE * k:
+            img = simplejpeg.decode_jpeg(buf, "RGB", min_height=(h + k - 1) // k, min_width=(w + k - 1) // k)
+            return cv2.resize(img, (SIZE, SIZE), interpolation=cv2.INTER_LINEAR)
+    return cv2.resize(simplejpeg.decode_jpeg(buf, "RGB"), (SIZE, SIZE), interpolation=cv2.INTER_LINEAR)
+
+
+def _w1cpu_cases(path: str, count: int) -> dict[str, Callable[[], int]]:
+    """One pass each over the dataset's first ``count`` samples (returns its samples): L1 on
+    their stored bytes (in memory), and packio.DataLoader (nw=0, 1 and 2 decode threads)
+    consumed as the harness's PackioLoader (image, label, padded boxes, key)."""
+    import cv2
+
+    import packio
+
+    cv2.setNumThreads(1)  # as the harness's L1 worker and its loaders' worker_init
+    plain = packio.open_dataset(path)
+    count = min(count, len(plain))
+    need(range(count), f"samples in {path}", "pass a non-empty packed LMDB to --path")
+    bufs = [bytes(plain.sample(i).payload) for i in range(count)]
+
+    def l1() -> int:
+        for b in bufs:
+            _l1_decode(b)
+        return count
+
+    def loader(threads: int) -> Callable[[], int]:
+        ds = packio.open_dataset(path, resize=SIZE, threads=threads)
+        dl = packio.DataLoader(ds, batch_size=BATCH, sampler=range(count), num_workers=0)
+
+        def run() -> int:
+            n = 0
+            for b in dl:
+                n += len((b["image"], b["label"], _harness_pad(b["boxes"]), b["key"])[1])
+            return n
+        return run
+    return {"L1 (same bytes, 1 process)": l1, "packio nw=0": loader(1), "packio nw=0 threads=2": loader(2)}
+
+
+def w1cpu(argv: list[str]) -> int:
+    """W1 in CPU time, so a loaded machine still gives usable ratios: packio.DataLoader over a
+    packed LMDB (nw=0; 1 and 2 decode threads, resize 224, batches of 64, consumed as the peers
+    harness does) against L1, the harness's decode + resize of the same stored bytes from memory.
+    CPU is process_time (every thread); main thread is thread_time (with threads=2 the part
+    the second thread cannot share); "busy cores" = CPU ÷ wall, which shows threads=2's
+    scaling on a quiet machine only (2.0 = both cores decode all the time).
+
+        python benchmarks/loader.py w1cpu --path /tmp/peers-packed/packio-lmdb/data.lmdb
+    """
+    ap = parser(w1cpu.__doc__, rounds=5)
+    ap.add_argument("--path", help="a packed LMDB of JPEGs (default: 640 generated photos, packed)")
+    ap.add_argument("--count", type=int, default=640, help="samples per pass (the first ones)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="CPU seconds per case per round")
+    a = ap.parse_args(argv)
+    a.src = a.csv = None
+    path = _w1_dataset(a)
+    cases = _w1cpu_cases(path, a.count)
+    for run in cases.values():  # warm-up: page cache, page tables, decode threads
+        run()
+    figures: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
+
+    def timed(name: str) -> Callable[[], float]:
+        def one() -> float:
+            figures[name].append(_cpu_per_sample(cases[name], a.seconds))
+            return figures[name][-1][0]
+        return one
+    interleaved({k: timed(k) for k in cases}, a.rounds)
+    med = {k: [median(f[j] for f in v) for j in range(3)] for k, v in figures.items()}
+    l1 = med["L1 (same bytes, 1 process)"][0]
+    table(("run", "CPU µs/sample", "main thread µs/sample", "wall µs/sample", "L1 CPU ÷ CPU", "CPU − L1 µs/sample",
+           "busy cores (quiet machine only)"),
+          [(k, f"{p:.1f}", f"{t:.1f}", f"{w:.1f}", f"{l1 / p:.3f}", f"{p - l1:.1f}", f"{p / w:.2f}")
+           for k, (p, t, w) in med.items()],
+          f"W1 CPU per sample, {path}, {a.count} samples, batch {BATCH}, resize {SIZE}, "
+          f"medians of {a.rounds} interleaved rounds")
+    return 0
 
 
 # ---------------------------------------------------------------- w2
@@ -487,4 +574,4 @@ def memory(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(subcommands({"w1": w1, "w2": w2, "w2cpu": w2cpu, "levers": levers, "memory": memory}, __doc__))
+    sys.exit(subcommands({"w1": w1, "w1cpu": w1cpu, "w2": w2, "w2cpu": w2cpu, "levers": levers, "memory": memory}, __doc__))

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-SCRIPTS = {"loader.py": ["w1", "w2", "w2cpu", "levers", "memory"], "convert.py": ["workers", "check", "dask"],
+SCRIPTS = {"loader.py": ["w1", "w1cpu", "w2", "w2cpu", "levers", "memory"], "convert.py": ["workers", "check", "dask"],
            "remote.py": [None], "gpu.py": [None], "gpu_vs_dali.py": [None], "peers_dali.py": [None], "ab.py": [None],
            "read_cpu.py": [None]}
 PEERS = ROOT.parent / "shared" / "peers" / "bench.py"
@@ -44,7 +44,7 @@ def test_help(script, command):
 
 def test_unknown_command_exits_non_zero():
     r = run(str(BENCH / "loader.py"), "nope")
-    assert r.returncode == 2 and "w1, w2, w2cpu, levers, memory" in r.stderr
+    assert r.returncode == 2 and "w1, w1cpu, w2, w2cpu, levers, memory" in r.stderr
 
 
 def test_workers_without_data_exits_non_zero(tmp_path):
@@ -144,4 +144,11 @@ def test_w2cpu_runs_end_to_end_on_tiny_data(tiny_arrays):
     r = run(str(BENCH / "loader.py"), "w2cpu", "--path", str(tiny_arrays), "--rounds", "1", "--seconds", "0.01")
     assert r.returncode == 0, r.stderr
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith(("| L2", "| packio nw=0"))]
+    assert len(rows) == 3 and all(float(row[2]) > 0 and float(row[5]) > 0 for row in rows), r.stdout
+
+
+def test_w1cpu_runs_end_to_end_on_tiny_data():
+    r = run(str(BENCH / "loader.py"), "w1cpu", "--count", "8", "--rounds", "1", "--seconds", "0.01")
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith(("| L1", "| packio nw=0"))]
     assert len(rows) == 3 and all(float(row[2]) > 0 and float(row[5]) > 0 for row in rows), r.stdout
