@@ -209,6 +209,33 @@ def test_one_huge_header_does_not_size_every_row_of_the_batch(tmp_path, monkeypa
         assert torch.equal(batch[j]["image"], truth[j])
 
 
+@pytest.mark.parametrize("resize", [None, (16, 16)])
+def test_a_skipped_samples_row_of_the_batch_buffer_is_zeros(tmp_path, monkeypatch, resize):
+    """A damaged sample skipped from a one-buffer batch leaves its row in ``Batch.image``
+    (``kept`` marks it; collate drops it): that row holds zeros, never what the buffer's memory
+    held before (a fresh buffer is uninitialised: another batch's pixels) or a partial decode."""
+    packio.convert(_one_size_folder(tmp_path / "src", hw=(16, 16)), tmp_path / "d.lmdb", progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", on_error="skip", resize=resize)
+    reader = ds.items.reader
+    truth = {i: ds[i]["image"] for i in range(len(ds))}
+    real = reader.read
+
+    def damaged(i):
+        s = real(i)
+        if i in (3, 6):  # cut short: the strict decode refuses them (after writing part of their rows)
+            s.payload = bytes(s.payload)[:len(s.payload) * 2 // 3]
+        return s
+
+    monkeypatch.setattr(reader, "read", damaged)
+    monkeypatch.setattr(packio.items, "batch_buffer", lambda shape: torch.full(shape, 77, dtype=torch.uint8))
+    batch = ds.__getitems__(list(range(8)))
+    assert batch.kept == [True] * 3 + [False] + [True] * 2 + [False, True]
+    assert isinstance(batch.image, torch.Tensor) and batch.image.shape == (8, 3, 16, 16)  # the buffer itself
+    for j in range(8):
+        want = truth[j] if batch.kept[j] else torch.zeros(3, 16, 16, dtype=torch.uint8)
+        assert torch.equal(batch.image[j], want), j
+
+
 _ROOM_CHILD = r"""
 import resource, sys
 import packio, torch
