@@ -280,3 +280,25 @@ def test_decode_into_an_out_of_another_dtype_gives_its_values(dtype):
     want = decode(data)
     got = decode(data, out=np.zeros((16, 24, 3), dtype))
     assert got.shape == want.shape and np.array_equal(got.astype(np.int64), want.astype(np.int64))
+
+
+def test_decode_into_out_keeps_max_pixels(monkeypatch):
+    """``decode(max_pixels=X, out=...)``: an ``out`` larger than ``X`` allows does not lift the
+    limit; a JPEG whose header is over it is refused before it is decoded (before: decoded
+    into ``out``, the limit ignored). The default limit (packio.limits.MAX_PIXELS) holds too;
+    an ``out`` within the limit is the bound, as before."""
+    from conftest import jpeg
+
+    import packio.limits
+    from packio.decode import decode
+
+    data = jpeg(16, 24, seed=3)
+    want = decode(data)
+    for out in (np.zeros((16, 24, 3), np.uint8), np.zeros((40, 40, 3), np.uint8)):
+        with pytest.raises(ValueError, match="over packio's limit of 100"):
+            decode(data, max_pixels=100, out=out)
+        assert not out.any()  # nothing was decoded into it
+    assert np.array_equal(decode(data, max_pixels=16 * 24, out=np.zeros((16, 24, 3), np.uint8)), want)
+    monkeypatch.setattr(packio.limits, "MAX_PIXELS", 100)
+    with pytest.raises(ValueError, match="over packio's limit of 100"):
+        decode(data, out=np.zeros((16, 24, 3), np.uint8))
