@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from packio.manifest import Manifest
+from packio.manifest import Manifest, count_text
 from packio.sample import Sample
 
 __all__ = ["Tally", "describe", "unused_text_columns"]
@@ -79,9 +79,12 @@ def unused_text_columns(csv_path: str | Path | None, used: dict[str, str] | None
     return [h for h in header if text[h]]
 
 
-def _counts(counts: dict[str, int], most: int = 12) -> str:
-    items = sorted(counts.items(), key=lambda kv: -kv[1])
-    text = ", ".join(f"{k} {v:,}" for k, v in items[:most])
+def _counts(counts: Any, most: int = 12) -> str:
+    """``name count, ...``, most first; a manifest's counts that are not counts: ``invalid``."""
+    if not isinstance(counts, dict):
+        return "invalid"
+    items = sorted(counts.items(), key=lambda kv: -kv[1] if count_text(kv[1]) != "invalid" else 0)
+    text = ", ".join(f"{k} {count_text(v, grouped=True)}" for k, v in items[:most])
     return text + (f", ... ({len(items) - most} more)" if len(items) > most else "")
 
 
@@ -93,14 +96,17 @@ def describe(m: Manifest) -> list[str]:
     lines = []
     labels, without = a.get("labels") or {}, a.get("images_without_label", 0)
     if labels:
-        lines.append(f"labels:   {_counts(labels)}" + (f"; {without:,} images without a label" if without else ""))
+        lines.append(f"labels:   {_counts(labels)}" +
+                     (f"; {count_text(without, True)} images without a label" if without else ""))
     else:
-        lines.append(f"labels:   none ({without:,} images without a label)")
+        lines.append(f"labels:   none ({count_text(without, True)} images without a label)")
     boxes, classes = a.get("boxes", 0), a.get("box_classes") or {}
     if boxes:
-        lines.append(f"boxes:    {boxes:,} on {a.get('images_with_boxes', 0):,} images; classes: {_counts(classes)}")
-        unused = m.source.get("csv_unused_text") or []
-        if set(classes) == {NO_CLASS}:
+        lines.append(f"boxes:    {count_text(boxes, True)} on {count_text(a.get('images_with_boxes', 0), True)} "
+                     f"images; classes: {_counts(classes)}")
+        unused = m.source.get("csv_unused_text")
+        unused = unused if isinstance(unused, list) else []
+        if isinstance(classes, dict) and set(classes) == {NO_CLASS}:
             hint = (f": did you mean `--csv-columns class={unused[0]}`?" if unused else
                     ": give the CSV a class column, or map yours with --csv-columns class=COLUMN")
             lines.append(f"warning:  every box has label -1 (no class){hint}")

@@ -136,7 +136,14 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def _boxes_counted(m: Any) -> bool:
+    """Does the manifest's annotation summary count boxes (its census line then says so)?"""
+    a = m.summary.get("annotations")
+    return isinstance(a, dict) and bool(a.get("boxes"))
+
+
 def _cmd_info(a: argparse.Namespace) -> int:
+    from packio.manifest import count_text
     from packio.pack.report import describe_history, describe_output
     from packio.urls import is_url
 
@@ -148,16 +155,18 @@ def _cmd_info(a: argparse.Namespace) -> int:
     say = lambda text: print(_printable(text))  # noqa: E731  (stored names may hold terminal escapes)
     say(f"path:     {a.path}")
     say(f"format:   {m.format} (layout version {m.version})")
-    say(f"samples:  {m.count}")
+    say(f"samples:  {count_text(m.count)}")
     say(f"bytes:    {size} ({size / 1e6:.1f} MB {'stored' if is_url(a.path) else 'on disk'})")
     parts = m.extra.get("parts")
     if isinstance(parts, list) and all(isinstance(x, dict) for x in parts):
-        listed = [f"{x.get('path')} ({x.get('count')} samples)" for x in parts[:20]]
+        listed = [f"{x.get('path')} ({count_text(x.get('count'))} samples)" for x in parts[:20]]
         say(f"parts:    {len(parts)}: {', '.join(listed)}{' ...' if len(parts) > 20 else ''}")
     say(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
-    if m.box_classes is not None:
+    if m.box_classes:
         bc = m.box_classes
         say(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
+    elif not _boxes_counted(m):  # a dataset without boxes (said once: the census line gives boxes without classes)
+        say("boxes:    none")
     for line in describe_output(p, m):  # a URL: Path() merged its '//'
         say(line.replace(str(p.parent), a.path.rsplit("/", 1)[0]) if is_url(a.path) else line)
     shape = m.image.get("shape")

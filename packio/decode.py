@@ -247,14 +247,17 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
     falling back to a lenient decoder (which would return made-up pixels).
     ``out``: a C-contiguous ``uint8[h, w, 3]`` array to decode into; the result is ``out``
     itself when the image has its shape, else an array of its own. A JPEG goes straight
-    into ``out`` with no separate header check: simplejpeg refuses an image larger than
-    ``out``, so ``out`` bounds it (make it no larger than ``max_pixels`` allows).
+    into ``out`` with no separate header check when ``out`` is within ``max_pixels``
+    (simplejpeg refuses an image larger than ``out``, so ``out`` bounds it); a larger
+    ``out`` does not lift the limit: the header is checked first.
     Raises ``ValueError`` when no backend can decode the bytes.
     """
     if out is not None and out.dtype == np.uint8 and data[:3] == b"\xff\xd8\xff" \
             and backend in ("auto", "simplejpeg") and min_size is None and not apply_exif:
         # a JPEG (sniff's test, without its copy); simplejpeg writes bytes into any buffer,
         # so an ``out`` of another dtype would come back as those bytes reinterpreted
+        if out.size // 3 > (limits.MAX_PIXELS if max_pixels is None else max_pixels):
+            check_pixels(*image_size(data, "jpeg"), max_pixels)  # ``out`` allows more than the limit
         got = _simplejpeg_into(data, strict, out)
         if got is not None:
             return got

@@ -250,6 +250,8 @@ class Decoder:
             if isinstance(r, PackioError):
                 got[j] = errors(r)  # raises, or counts the skip
         kept = [r is not None for r in got]
+        for j in (j for j, k in enumerate(kept) if not k and rows is not None):
+            rows[j] = 0  # a skipped sample's row: not the buffer's old memory, nor a partial decode
         ok = [r for r in got if r is not None]
         images = _images(buf, [r[1] if r else None for r in got], kept)
         boxes = [np.asarray(r[2], np.float32).reshape(-1, 4) for r in ok]

@@ -13,8 +13,8 @@ from typing import Any
 from packio import limits
 from packio.errors import FormatError
 
-__all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "file_digest", "describe_files", "disk_bytes",
-           "manifest_id", "trust_manifest"]
+__all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "count_text", "file_digest", "describe_files",
+           "disk_bytes", "manifest_id", "trust_manifest"]
 
 MANIFEST_NAME = "packio.json"
 DIGEST = "xxh3_128"  # file checksums; samples carry xxh3_64 (packio.sample.checksum)
@@ -105,6 +105,14 @@ class Manifest:
                               f"reordered classes would relabel every sample); restore the original packio.json "
                               f"or re-pack the dataset ('packio verify' reports the details)")
         return m
+
+
+def count_text(value: Any, grouped: bool = False) -> str:
+    """A count read from a manifest, as printed: an int from 0 to 2**63-1 (``grouped``:
+    1,234), else ``invalid`` (a stranger's manifest may hold anything there)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limits.INT64_MAX:
+        return f"{value:,}" if grouped else str(value)
+    return "invalid"
 
 
 def _check_image(image: dict[str, Any], where: str) -> None:

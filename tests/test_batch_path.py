@@ -209,6 +209,33 @@ def test_one_huge_header_does_not_size_every_row_of_the_batch(tmp_path, monkeypa
         assert torch.equal(batch[j]["image"], truth[j])
 
 
+@pytest.mark.parametrize("resize", [None, (16, 16)])
+def test_a_skipped_samples_row_of_the_batch_buffer_is_zeros(tmp_path, monkeypatch, resize):
+    """A damaged sample skipped from a one-buffer batch leaves its row in ``Batch.image``
+    (``kept`` marks it; collate drops it): that row holds zeros, never what the buffer's memory
+    held before (a fresh buffer is uninitialised: another batch's pixels) or a partial decode."""
+    packio.convert(_one_size_folder(tmp_path / "src", hw=(16, 16)), tmp_path / "d.lmdb", progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", on_error="skip", resize=resize)
+    reader = ds.items.reader
+    truth = {i: ds[i]["image"] for i in range(len(ds))}
+    real = reader.read
+
+    def damaged(i):
+        s = real(i)
+        if i in (3, 6):  # cut short: the strict decode refuses them (after writing part of their rows)
+            s.payload = bytes(s.payload)[:len(s.payload) * 2 // 3]
+        return s
+
+    monkeypatch.setattr(reader, "read", damaged)
+    monkeypatch.setattr(packio.items, "batch_buffer", lambda shape: torch.full(shape, 77, dtype=torch.uint8))
+    batch = ds.__getitems__(list(range(8)))
+    assert batch.kept == [True] * 3 + [False] + [True] * 2 + [False, True]
+    assert isinstance(batch.image, torch.Tensor) and batch.image.shape == (8, 3, 16, 16)  # the buffer itself
+    for j in range(8):
+        want = truth[j] if batch.kept[j] else torch.zeros(3, 16, 16, dtype=torch.uint8)
+        assert torch.equal(batch.image[j], want), j
+
+
 _ROOM_CHILD = r"""
 import resource, sys
 import packio, torch
@@ -253,3 +280,25 @@ def test_decode_into_an_out_of_another_dtype_gives_its_values(dtype):
     want = decode(data)
     got = decode(data, out=np.zeros((16, 24, 3), dtype))
     assert got.shape == want.shape and np.array_equal(got.astype(np.int64), want.astype(np.int64))
+
+
+def test_decode_into_out_keeps_max_pixels(monkeypatch):
+    """``decode(max_pixels=X, out=...)``: an ``out`` larger than ``X`` allows does not lift the
+    limit; a JPEG whose header is over it is refused before it is decoded (before: decoded
+    into ``out``, the limit ignored). The default limit (packio.limits.MAX_PIXELS) holds too;
+    an ``out`` within the limit is the bound, as before."""
+    from conftest import jpeg
+
+    import packio.limits
+    from packio.decode import decode
+
+    data = jpeg(16, 24, seed=3)
+    want = decode(data)
+    for out in (np.zeros((16, 24, 3), np.uint8), np.zeros((40, 40, 3), np.uint8)):
+        with pytest.raises(ValueError, match="over packio's limit of 100"):
+            decode(data, max_pixels=100, out=out)
+        assert not out.any()  # nothing was decoded into it
+    assert np.array_equal(decode(data, max_pixels=16 * 24, out=np.zeros((16, 24, 3), np.uint8)), want)
+    monkeypatch.setattr(packio.limits, "MAX_PIXELS", 100)
+    with pytest.raises(ValueError, match="over packio's limit of 100"):
+        decode(data, out=np.zeros((16, 24, 3), np.uint8))

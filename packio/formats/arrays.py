@@ -8,7 +8,6 @@ reads every array; a batch needs no per-sample record parsing.
 
 from __future__ import annotations
 
-import shutil
 import struct
 from array import array
 from pathlib import Path
@@ -19,8 +18,9 @@ import numpy as np
 from packio import limits
 from packio.errors import FormatError
 from packio.formats.base import (FormatSpec, Reader, RecordFile, StoredBatch, WriteOptions, Writer,
-                                 decode_stored, fixed_image_shape, inside, npy_header)
+                                 decode_stored, fixed_image_shape, inside)
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
+from packio.formats.spill import SpilledColumn, npy_header
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -29,6 +29,9 @@ __all__ = ["ArrayWriter", "ArrayReader", "FORMAT"]
 _KEY_CHUNK = 1 << 13  # keys turned into unicode at a time when keys.npy is written
 _SPILL = 1 << 13  # samples whose columns and keys are held before they go to the spill files
 _HEADER = 256  # bytes reserved for the .npy header, rewritten with the final N
+# the spilled columns: dtype and row shape (keys: their UTF-8 bytes and where each ends)
+_SPILLED = {"labels": ("<i8", ()), "boxes": ("<f4", (4,)), "box_labels": ("<i8", ()), "box_offsets": ("<i8", ()),
+            "keys": ("u1", ()), "key_ends": ("<i8", ())}
 
 
 def _npy_header(shape: tuple[int, ...]) -> bytes:
@@ -61,7 +64,7 @@ class ArrayWriter(Writer):
         self._key_chars, self._key_bytes = 1, 0  # the longest key; key bytes spilled so far
         # columns and keys go to files beside the output every _SPILL samples: held, they
         # were ~100 B a sample at the peak of a pack; made into the .npy files at close
-        self._spill = {name: open(path / f".{name}.spill", "wb") for name in (*NAMES, "keys", "key_ends")}
+        self._spill = {name: SpilledColumn(path / f".{name}.spill", *kind) for name, kind in _SPILLED.items()}
         self._records = RecordFile(path)
 
     def add(self, sample: Sample) -> None:
@@ -81,9 +84,9 @@ class ArrayWriter(Writer):
     def _flush(self) -> None:
         """The columns and keys held so far appended to their spill files."""
         for name, col in self._columns.drain().items():
-            self._spill[name].write(col.data)
-        self._spill["keys"].write(self._keys)
-        self._spill["key_ends"].write(self._key_ends)
+            self._spill[name].append(col)
+        self._spill["keys"].append(np.frombuffer(self._keys, np.uint8))
+        self._spill["key_ends"].append(np.frombuffer(self._key_ends, np.int64))
         self._key_bytes += len(self._keys)
         self._keys, self._key_ends = bytearray(), array("q")
 
@@ -92,46 +95,37 @@ class ArrayWriter(Writer):
         self._out.write(_npy_header((self.count, self._h, self._w, 3)))
         self._out.close()
         self._flush()
-        for f in self._spill.values():
-            f.close()
-        boxes = self._columns.boxes_drained
-        shapes = {"labels": (self.count,), "boxes": (boxes, 4), "box_labels": (boxes,),
-                  "box_offsets": (self.count + 1,)}
-        for name, dtype in (("labels", "<i8"), ("boxes", "<f4"), ("box_labels", "<i8"), ("box_offsets", "<i8")):
-            with open(self.path / f"{name}.npy", "wb") as f, open(self._spilled(name), "rb") as src:
-                npy_header(f, np.dtype(dtype), shapes[name])
-                if name == "box_offsets":
-                    f.write(np.zeros(1, np.int64).data)  # the column starts at 0; the spill holds the ends
-                shutil.copyfileobj(src, f, 1 << 20)
+        for name in NAMES:  # box_offsets starts at 0; the spill holds the ends
+            self._spill[name].finish(self.path / f"{name}.npy", np.zeros(1, np.int64) if name == "box_offsets" else None)
         self._save_keys()
-        for name in self._spill:
-            self._spilled(name).unlink()
         self._records.close()
         return {"images": "images.npy", "labels": "labels.npy", "shape": [self._h, self._w, 3]}
-
-    def _spilled(self, name: str) -> Path:
-        return self.path / f".{name}.spill"
 
     def _save_keys(self) -> None:
         """``keys.npy`` as ``np.save`` writes it, a chunk of keys at a time from the spill
         files: the whole unicode array (4 B a character) is never held."""
         dtype = np.dtype(f"U{self._key_chars}")
-        with open(self.path / "keys.npy", "wb") as f, open(self._spilled("keys"), "rb") as data, \
-                open(self._spilled("key_ends"), "rb") as ends:
-            npy_header(f, dtype, (self.count,))
-            last = 0
-            for k in range(0, self.count, _KEY_CHUNK):
-                part = np.fromfile(ends, np.int64, min(_KEY_CHUNK, self.count - k)).tolist()
-                raw = data.read(part[-1] - last)
-                keys = (raw[a - last:b - last].decode("utf-8", "surrogatepass") for a, b in zip([last, *part[:-1]], part))
-                f.write(np.fromiter(keys, dtype, len(part)).data)
-                last = part[-1]
+        try:
+            with open(self.path / "keys.npy", "wb") as f, self._spill["keys"].read_back() as data, \
+                    self._spill["key_ends"].read_back() as ends:
+                npy_header(f, dtype, (self.count,))
+                last = 0
+                for k in range(0, self.count, _KEY_CHUNK):
+                    part = np.fromfile(ends, np.int64, min(_KEY_CHUNK, self.count - k)).tolist()
+                    raw = data.read(part[-1] - last)
+                    keys = (raw[a - last:b - last].decode("utf-8", "surrogatepass")
+                            for a, b in zip([last, *part[:-1]], part))
+                    f.write(np.fromiter(keys, dtype, len(part)).data)
+                    last = part[-1]
+        finally:
+            self._spill["keys"].discard()
+            self._spill["key_ends"].discard()
 
     def abort(self) -> None:
         self._out.close()
-        self._records._out.close()
-        for f in self._spill.values():
-            f.close()
+        self._records.abort()
+        for col in self._spill.values():
+            col.discard()
 
 
 class ArrayReader(Reader):

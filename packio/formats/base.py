@@ -17,6 +17,7 @@ import numpy as np
 
 from packio import limits
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError
+from packio.formats.spill import SpilledColumn
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files, manifest_id
 from packio.sample import Sample, sample_from_record
 
@@ -365,33 +366,37 @@ def _identity(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def npy_header(f: Any, dtype: Any, shape: tuple[int, ...]) -> None:
-    """Write the header ``np.save`` writes for a C-order array of ``dtype`` and ``shape``
-    (then its raw bytes follow): a column streamed to disk is byte for byte np.save's."""
-    header = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
-    header["shape"] = shape
-    np.lib.format.write_array_header_1_0(f, header)
-
-
 class RecordFile:
     """Records of formats that keep them apart from the payloads: one msgpack blob
     per sample concatenated in ``records.bin`` with ``records.idx.npy`` offsets."""
 
     BIN, IDX = "records.bin", "records.idx.npy"
+    SPILL = 1 << 13  # record ends held before they are appended to the spill file
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self._out = open(root / self.BIN, "wb")
-        self._offsets = array("q", [0])  # one number per sample, no Python object
+        self._ends, self._end = array("q"), 0  # ends of the records since the last spill
+        self._spill = SpilledColumn(root / ".records.idx.spill", np.int64)  # held, 8 B a sample
 
     def add(self, rec: dict[str, Any]) -> None:
         blob = pack_record(rec)
         self._out.write(blob)
-        self._offsets.append(self._offsets[-1] + len(blob))
+        self._end += len(blob)
+        self._ends.append(self._end)
+        if len(self._ends) >= self.SPILL:
+            self._spill.append(np.frombuffer(self._ends, np.int64))
+            self._ends = array("q")
 
     def close(self) -> None:
+        """``records.idx.npy``: the offsets, from 0 to the end of the last record (np.save's bytes)."""
         self._out.close()
-        np.save(self.root / self.IDX, np.frombuffer(self._offsets, np.int64), allow_pickle=False)
+        self._spill.append(np.frombuffer(self._ends, np.int64))
+        self._spill.finish(self.root / self.IDX, np.zeros(1, np.int64))
+
+    def abort(self) -> None:
+        self._out.close()
+        self._spill.discard()
 
     @classmethod
     def load(cls, root: Path, count: int) -> tuple[np.ndarray, "RecordBlob"]:

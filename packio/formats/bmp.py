@@ -44,7 +44,7 @@ class BMPWriter(Writer):
         return {"images": "images/{i // 1000:06d}/{i:010d}.bmp", "records": RecordFile.BIN}
 
     def abort(self) -> None:
-        self._records._out.close()
+        self._records.abort()
 
 
 class BMPReader(Reader):

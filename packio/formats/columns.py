@@ -42,11 +42,6 @@ class ColumnBuffer:
             self._boxes.frombytes(np.ascontiguousarray(boxes).tobytes())
             self._box_labels.frombytes(np.asarray(sample.box_labels, np.int64).reshape(-1).tobytes())
 
-    @property
-    def boxes_drained(self) -> int:
-        """Boxes handed out by :meth:`drain` so far."""
-        return self._box_total
-
     def drain(self) -> dict[str, np.ndarray]:
         """The rows added since the last drain. ``box_offsets`` holds their end offsets
         only (absolute): a writer starts the column with ``[0]`` and appends these."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tarfile
 from collections import OrderedDict
 from pathlib import Path
@@ -25,7 +24,8 @@ from packio import limits
 from packio.decode import sniff
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside,
-                                 npy_header, pack_record, payload_bytes, unpack_record)
+                                 pack_record, payload_bytes, unpack_record)
+from packio.formats.spill import SpilledColumn
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample
 
@@ -53,7 +53,7 @@ class TarWriter(Writer):
         # 5 numbers per sample (see INDEX), _SPILL rows at a time, then appended to a file
         # beside the output (held, they were 40 B a sample at a pack's peak); index.npy at close
         self._rows = np.empty((_SPILL, 5), np.int64)
-        self._spill = open(path / ".index.spill", "wb")
+        self._index = SpilledColumn(path / ".index.spill", np.int64, (5,))
         self._tar: tarfile.TarFile | None = None
         self._in_shard = 0
         self._shard_bytes = 0
@@ -98,7 +98,7 @@ class TarWriter(Writer):
         self._shard_bytes += len(data) + len(rec) + 1536
         self.count += 1
         if not self.count % _SPILL:
-            self._spill.write(self._rows.data)
+            self._index.append(self._rows)
 
     def _add(self, name: str, blob: bytes | memoryview) -> int:
         """Append one member; returns the offset of its data (header bytes counted here,
@@ -123,19 +123,15 @@ class TarWriter(Writer):
 
     def close(self) -> dict[str, Any]:
         self._close_shard()
-        self._spill.write(self._rows[:self.count % _SPILL].data)
-        self._spill.close()
-        with open(self.path / INDEX, "wb") as f, open(self.path / ".index.spill", "rb") as spilled:
-            npy_header(f, np.int64, (self.count, 5))
-            shutil.copyfileobj(spilled, f, 1 << 20)
-        (self.path / ".index.spill").unlink()
+        self._index.append(self._rows[:self.count % _SPILL])
+        self._index.finish(self.path / INDEX)
         first = {"first_key": self.options.first_key} if self.options.first_key else {}
         return {"shards": self._shards, "index": INDEX, **first,
                 "index_columns": ["shard", "image_offset", "image_size", "json_offset", "json_size"],
                 "pattern": f"shard-{{000000..{max(len(self._shards) - 1, 0):06d}}}.tar"}
 
     def abort(self) -> None:
-        self._spill.close()
+        self._index.discard()
         if self._tar is not None:
             self._tar.close()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from packio import census
 from packio.formats import formats
-from packio.manifest import Manifest, disk_bytes
+from packio.manifest import Manifest, count_text, disk_bytes
 
 __all__ = ["Summary", "describe_output", "describe_history", "history_of", "image_facts", "summarize"]
 
@@ -82,9 +82,10 @@ def describe_output(path: Path, m: Manifest) -> list[str]:
     spec = formats().get(m.format)
     lines: list[str] = spec.reader.describe(path, m) if spec is not None else []
     enc = m.image.get("encodings") or {}
-    if enc:
+    if isinstance(enc, dict) and enc:
         step = _whole_step(m.image.get("history") or [])
-        lines.append(f"images:   {', '.join(f'{v} {k}' for k, v in enc.items())}: ".replace("raw", "uint8 pixels")
+        lines.append(f"images:   {', '.join(f'{count_text(v)} {k}' for k, v in enc.items())}: "
+                     .replace("raw", "uint8 pixels")
                      + _step_text(step))
     return lines
 
@@ -107,28 +108,44 @@ def _whole_step(steps: list[Any]) -> dict[str, Any]:
 
 
 def describe_history(m: Manifest) -> list[str]:
-    """The recorded steps from the first source to this dataset, one line each."""
+    """The recorded steps from the first source to this dataset, one line each; an appended
+    part's line ends with the part and the samples it added."""
     steps = m.image.get("history") or []
-    return [f"{i}. {s.get('from', '?')} {s.get('source', '')} → {s.get('to', '?')}: {_step_text(s)}"
-            for i, s in enumerate(steps, 1) if isinstance(s, dict)]
+    parts = m.extra.get("parts") if isinstance(m.extra.get("parts"), list) else []
+    added = {p.get("path"): p.get("count") for p in parts if isinstance(p, dict) and isinstance(p.get("path"), str)}
+    lines = []
+    for i, s in enumerate(steps if isinstance(steps, list) else [], 1):
+        if not isinstance(s, dict):
+            continue
+        name = s.get("appended")
+        count = added.get(name) if isinstance(name, str) else None
+        mark = f"; appended: {name} (+{count_text(count)} samples)" if name else ""
+        lines.append(f"{i}. {s.get('from', '?')} {s.get('source', '')} → {s.get('to', '?')}: {_step_text(s)}{mark}")
+    return lines
+
+
+def _dims(value: Any) -> str:
+    """``HxW`` of a recorded size, ``invalid`` when it is not a list of counts."""
+    return "x".join(map(count_text, value)) if isinstance(value, list) else "invalid"
 
 
 def _step_text(step: dict[str, Any]) -> str:
     done = step.get("result") if isinstance(step.get("result"), dict) else {}
-    kept = [f"{v} {k.removesuffix(' kept')}" for k, v in done.items() if str(k).endswith(" kept")]
-    changed = [f"{v} {k}".replace("raw", "uint8 pixels") for k, v in done.items() if not str(k).endswith(" kept")]
+    kept = [f"{count_text(v)} {str(k).removesuffix(' kept')}" for k, v in done.items() if str(k).endswith(" kept")]
+    changed = [f"{count_text(v)} {k}".replace("raw", "uint8 pixels") for k, v in done.items()
+               if not str(k).endswith(" kept")]
     parts = ([", ".join(kept) + " kept as found (not re-encoded)"] if kept else []) + (
         [", ".join(changed)] if changed else [])
     if not done:
         parts.append(f"stored as {step.get('payload', '?')}")
     r = step.get("resize")
     if isinstance(r, dict):
-        geo = (f"short side {r['short_side']}" if r.get("short_side") else
-               "x".join(map(str, r["size"])) if r.get("size") else "")
-        crop = "center crop " + "x".join(map(str, r["crop"])) if r.get("crop") else ""
+        geo = (f"short side {count_text(r['short_side'])}" if r.get("short_side") else
+               _dims(r["size"]) if r.get("size") else "")
+        crop = "center crop " + _dims(r["crop"]) if r.get("crop") else ""
         parts.append("resized to " + ", ".join(x for x in (geo, crop) if x))
     if step.get("quality") and any(str(k).endswith("→jpeg") for k in done):
-        parts.append(f"JPEG quality {step['quality']}")
+        parts.append(f"JPEG quality {count_text(step['quality'])}")
     if any(str(k).startswith("raw→") for k in done) and step.get("encode") == "keep":
         parts.append("decoded pixels stored lossless; --encode jpeg for smaller files")
     return "; ".join(parts)
