@@ -160,6 +160,38 @@ def test_killed_append_leaves_the_old_version(tmp_path: Path) -> None:
     assert not [f for f in os.listdir(ds) if "packio-tmp" in f]
 
 
+HOLD_TQDM_LOCK = r"""
+import os, signal, sys
+import packio
+from tqdm import tqdm
+src, ds = sys.argv[1:3]
+packio.convert(src, ds + "/a.lmdb", progress=False, workers=0)
+lock = tqdm.get_lock()  # shared with forked children, as a conversion's own bar lock is
+pid = os.fork()
+if pid == 0:  # a forked conversion killed inside tqdm: it dies holding the lock
+    lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+os.waitpid(pid, 0)
+packio.convert(src, ds + "/b.lmdb", progress=False, workers=0)
+print("done")
+"""
+
+
+def test_a_conversion_killed_holding_tqdms_lock_does_not_hang_the_next(tmp_path: Path) -> None:
+    """With no bar shown, a conversion makes no tqdm object: a forked conversion SIGKILLed while
+    holding tqdm's lock (shared across fork) hung the next conversion of its parent forever."""
+    import subprocess
+    import sys
+
+    src = make(tmp_path / "s", ["x", "y"], 2, "s")
+    try:
+        out = subprocess.run([sys.executable, "-c", HOLD_TQDM_LOCK, str(src), str(tmp_path)], capture_output=True,
+                             text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the conversion after a killed one hung on tqdm's lock")
+    assert out.returncode == 0 and out.stdout.split() == ["done"], out.stderr[-2000:]
+
+
 def contents_of(folder: Path) -> list[tuple[str, str]]:
     return [(p.relative_to(folder).as_posix(), p.parent.name) for p in sorted(folder.rglob("*.png"))]
 

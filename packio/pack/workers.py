@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -93,8 +94,24 @@ def _free_cpus() -> float:
     return cpus() - others
 
 
+class _NoBar:
+    """The bar when none is shown: no tqdm object at all, since even a disabled one takes tqdm's
+    lock, shared with forked processes (one killed while holding it would hang this process)."""
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        return None
+
+
 def progress_bar(total: int, enabled: bool | None) -> Any:
     """A tqdm bar over ``total`` inputs (``enabled=None``: shown on a terminal only)."""
+    if not (sys.stderr.isatty() if enabled is None else enabled):
+        return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="img", disable=(None if enabled is None else not enabled), leave=False)
+    return tqdm(total=total, unit="img", leave=False)
