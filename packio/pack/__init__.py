@@ -23,10 +23,11 @@ from packio.options import PackOptions, merge_options
 from packio.pack.append import (Relabeled, check_keys, commit_part, existing, first_key, merge_names, part_name,
                                 stored_options)
 from packio.pack.commit import check_output, output_lock, remove, staged, temp_name, terminate_cleanly
-from packio.pack.distributed import write_parts
+from packio.pack.distributed import client_for, write_parts
 from packio.pack.plan import Source, check_request, declared_shape, open_source, output_format, plan
 from packio.pack.prepare import Packed, Result, Skipped
 from packio.pack.report import Summary, summarize
+from packio.pack.split_listing import SPILL, split_source
 from packio.pack.write import Job, write_part
 from packio.sources.names import case_notes
 
@@ -88,11 +89,33 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
         if append:
             return _append(src, dst, options, packed, csv, columns, strict, follow_symlinks, workers, progress, t0)
         check_output(dst, overwrite)  # again, under the lock
+        if scheduler is not None and not packed:
+            return _split(src, dst, spec, options, csv, columns, strict, follow_symlinks, progress, scheduler, parts,
+                          overwrite, t0)
         source = _noted(open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks))
         job, fn = plan(spec, options, source, strict)
         with staged(dst, overwrite) as tmp:  # committed to dst when the block ends, removed if it fails
             part = _write(job, fn, source, tmp, workers=workers, progress=progress, scheduler=scheduler, parts=parts)
         return summarize(dst, spec.name, source.problems, part, t0)
+
+
+def _split(src: Path, dst: Path, spec: Any, options: PackOptions, csv: str | Path | None,
+           columns: dict[str, str] | None, strict: bool, follow_symlinks: bool, progress: bool | None, scheduler: Any,
+           parts: int | None, overwrite: bool, t0: float) -> Summary:
+    """An image folder packed by Dask tasks, its listing made by them too (:mod:`packio.pack.split_listing`)."""
+    client, owned = client_for(scheduler)
+    try:
+        with staged(dst, overwrite) as tmp:  # the listing spills inside: they go with it, on commit or failure
+            tmp.mkdir()
+            workers = max(1, len(client.scheduler_info().get("workers", {})))
+            source = _noted(split_source(client, src, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
+                                         spill=tmp / SPILL, workers=workers))
+            job, fn = plan(spec, options, source, strict)
+            part = _write(job, fn, source, tmp, workers=0, progress=progress, scheduler=client, parts=parts)
+        return summarize(dst, spec.name, source.problems, part, t0)
+    finally:
+        if owned:
+            client.close()
 
 
 def _noted(source: Source) -> Source:

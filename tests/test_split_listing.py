@@ -1,0 +1,167 @@
+"""The Dask listing split (packio.sources.split): the same samples as one process, the driver listing nothing."""
+
+from __future__ import annotations
+
+import os
+import random
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import packio
+import packio.pack.split_listing as sl
+from conftest import jpeg
+
+distributed = pytest.importorskip("dask.distributed")
+
+_IMG: dict[int, bytes] = {}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                  silence_logs=40) as c, distributed.Client(c) as cl:
+        yield cl
+
+
+@pytest.fixture(autouse=True)
+def small_steps(monkeypatch):
+    """Tiny CSV ranges, buckets and many chunks: every step split on small data (driver-side settings)."""
+    monkeypatch.setattr(sl, "RANGE_BYTES", 60)
+    monkeypatch.setattr(sl, "BUCKET_ITEMS", 4)
+    monkeypatch.setattr(sl, "CHUNKS_PER_WORKER", 3)
+
+
+def _img(seed: int) -> bytes:
+    if seed not in _IMG:
+        _IMG[seed] = jpeg(8, 8, seed)
+    return _IMG[seed]
+
+
+def _write(root: Path, rel: str, seed: int) -> None:
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_bytes(_img(seed))
+
+
+def _dump(path: Path) -> tuple:
+    r = packio.open_reader(path)
+    m = r.manifest
+    samples = []
+    for i in range(len(r)):
+        s = r.read(i)
+        samples.append((s.key, s.label, np.asarray(s.boxes).tolist(), np.asarray(s.box_labels).tolist(), s.payload))
+    return m.classes, m.box_classes, samples, m.source
+
+
+def _same(client, tmp: Path, src: Path, csv: Path | None, **kw) -> tuple:
+    one = packio.convert(src, tmp / "one.lmdb", csv=csv, progress=False, **kw)
+    dist = packio.convert(src, tmp / "dist.lmdb", csv=csv, progress=False, scheduler=client, parts=3, **kw)
+    assert dist.packed == one.packed and dist.skipped == one.skipped
+    assert sorted(dist.problems) == sorted(one.problems)
+    assert _dump(tmp / "dist.lmdb") == _dump(tmp / "one.lmdb")
+    assert not [p for p in tmp.iterdir() if ".packio-tmp-" in p.name]  # spills gone with the temporary
+    return one, dist
+
+
+def _battery(root: Path) -> Path:
+    """Class folders, nesting, loose files, NFC/NFD names, hidden files, a symlink, and a CSV
+    with every way of naming a file (and of failing to)."""
+    src = root / "data" / "train"
+    for k in range(3):
+        _write(src, f"cats/{k}.jpg", k)
+        _write(src, f"dogs/{k}.jpg", 10 + k)
+        _write(src, f"deep/a/b/{k}.png" if k else f"deep/a/{k}.jpg", 20 + k)
+    _write(src, "loose.jpg", 30)
+    _write(src, "cats/same.jpg", 31)
+    _write(src, "dogs/same.jpg", 32)
+    _write(src, unicodedata.normalize("NFC", "café/é.jpg"), 33)
+    _write(src, unicodedata.normalize("NFD", "café/é.jpg"), 34)
+    _write(src, ".hidden/x.jpg", 35)
+    _write(src, "cats/.h.jpg", 36)
+    os.symlink(src / "cats" / "0.jpg", src / "dogs" / "link.jpg")
+    os.symlink("/etc/hostname", src / "dogs" / "out.jpg")
+    (src / "notes.txt").write_text("x")
+    csv = root / "a.csv"
+    abs_ = src / "dogs" / "1.jpg"
+    csv.write_text("filename,label,xmin,ymin,xmax,ymax,class,width,height\n"
+                   "cats/0.jpg,kit,1,1,5,5,whisker,8,8\n"        # a path
+                   "0.png,,1,1,2,2,dot,,\n"                      # a bare name, unique
+                   "1,,2,2,3,3,dot,,\n"                          # a bare stem (deep/a/b/1.png)
+                   "train/dogs/0.jpg,pup,,,,,,,\n"               # relative to the folder above the root
+                   f"{abs_},pup,0,0,1,1,nose,,\n"                # absolute
+                   "same.jpg,x,,,,,,,\n"                         # a name in two folders
+                   "loose.jpg,a,,,,,,,\n"
+                   "x/loose.jpg,a,,,,,,,\n"                      # one name, two paths (the bare one fails)
+                   "nope.jpg,a,,,,,,,\n"                         # missing
+                   "cats/0.jpg,kit,1,1,5,5,whisker,8,8\n"        # a duplicate row
+                   "cats/1.jpg,a,,,,,,,\n"
+                   "cats/1.jpg,b,,,,,,,\n"                       # conflicting labels
+                   "cats/2.jpg,,1,1,2,2,whisker,16,16\n"         # a frame
+                   "cats/2.jpg,,2,2,3,3,,16,16\n"                # a box without class
+                   "cats/0.jpg,kit,3,3,4,4,nose,8,8\n"           # a second box, later in the CSV
+                   "dogs/2.jpg/,pup,,,,,,,\n"                    # a trailing slash
+                   "./dogs/./1.jpg,pup,,,,,,,\n"
+                   "bad,row\n")
+    return csv
+
+
+def test_battery_matches_one_process(client, tmp_path):
+    csv = _battery(tmp_path)
+    src = tmp_path / "data" / "train"
+    one, _ = _same(client, tmp_path, src, csv)
+    assert one.skipped and len(one.skipped) >= 6  # the battery hits the skips it means to
+
+
+def test_battery_without_csv_and_flat(client, tmp_path):
+    _battery(tmp_path)
+    _same(client, tmp_path, tmp_path / "data" / "train", None)
+    flat = tmp_path / "flat"
+    for k in range(7):
+        _write(flat, f"{k:03d}.jpg", k)
+    (tmp_path / "one.lmdb").rename(tmp_path / "one0.lmdb")
+    (tmp_path / "dist.lmdb").rename(tmp_path / "dist0.lmdb")
+    csv = tmp_path / "f.csv"
+    csv.write_text("file,label\n" + "".join(f"{k:03d}.jpg,c{k % 2}\n" for k in range(7)))
+    _same(client, tmp_path, flat, csv)
+
+
+def _random_source(root: Path, rng: random.Random) -> Path | None:
+    """A seeded source: random folders and names, and a CSV naming them (or not) every way."""
+    folders = ["", *[rng.choice(["a", "b", "c", "a/x", "b/y/z", "é", "e\u0301"]) for _ in range(rng.randint(0, 4))]]
+    stems = ["p", "q", "r", "s", "1", "10", "9"]
+    keys = sorted({"/".join(filter(None, [rng.choice(folders), rng.choice(stems) + rng.choice([".jpg", ".png"])]))
+                   for _ in range(rng.randint(1, 12))})
+    for k, key in enumerate(keys):
+        _write(root / "src", key, k)
+    if rng.random() < 0.2:
+        return None
+    lines = []
+    for _ in range(rng.randint(0, 15)):
+        key = rng.choice(keys + ["gone.jpg", "a/gone.png"])
+        name = rng.choice([key, key.rsplit("/", 1)[-1], key.rsplit("/", 1)[-1].rsplit(".", 1)[0], "src/" + key,
+                           str(root / "src" / key)])
+        box = rng.choice(["", "1,1,2,2", "0,0,3,3"])
+        lines.append(f"{name},{rng.choice(['', 'l1', 'l2', '3'])},{box or ',,,'},{rng.choice(['', 'k', 'm'])}")
+        if rng.random() < 0.15:
+            lines.append(lines[-1])
+    quoted = rng.random() < 0.2
+    csv = root / "a.csv"
+    body = "".join(f'"{x}"\n' if quoted and not i else x + rng.choice(["\n", "\r\n"]) for i, x in enumerate(lines))
+    csv.write_text("filename,label,xmin,ymin,xmax,ymax,class\n" + body, newline="")
+    return csv
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fuzz_matches_one_process(client, tmp_path, seed):
+    rng = random.Random(seed)
+    csv = _random_source(tmp_path, rng)
+    try:
+        packio.convert(tmp_path / "src", tmp_path / "probe.lmdb", csv=csv, progress=False)
+    except packio.SourceError as exc:  # a CSV naming none of the images: the same error
+        with pytest.raises(packio.SourceError) as got:
+            packio.convert(tmp_path / "src", tmp_path / "dist.lmdb", csv=csv, progress=False, scheduler=client)
+        assert str(got.value) == str(exc)
+        return
+    _same(client, tmp_path, tmp_path / "src", csv)
