@@ -165,3 +165,112 @@ def test_fuzz_matches_one_process(client, tmp_path, seed):
         assert str(got.value) == str(exc)
         return
     _same(client, tmp_path, tmp_path / "src", csv)
+
+
+@pytest.mark.parametrize("case", ["missing", "conflict", "hidden", "none named"])
+def test_strict_first_error_is_the_same(client, tmp_path, case):
+    src = tmp_path / "src"
+    for k in range(6):
+        _write(src, f"{'ab'[k % 2]}/{k}.jpg", k)
+    rows = {"missing": "a/0.jpg,x\nb/9.jpg,y\nnope.jpg,z\nb/1.jpg,y\n",
+            "conflict": "b/5.jpg,x\nb/3.jpg,x\nb/3.jpg,y\nb/5.jpg,y\na/0.jpg,z\n",
+            "hidden": "a/0.jpg,x\n", "none named": "x.jpg,a\ny.jpg,b\n"}[case]
+    if case == "hidden":
+        _write(src, "a/.h.jpg", 9)
+    csv = tmp_path / "a.csv"
+    csv.write_text("filename,label\n" + rows)
+    with pytest.raises(packio.SourceError) as one:
+        packio.convert(src, tmp_path / "one.lmdb", csv=csv, strict=True, progress=False)
+    with pytest.raises(packio.SourceError) as dist:
+        packio.convert(src, tmp_path / "dist.lmdb", csv=csv, strict=True, progress=False, scheduler=client)
+    assert str(dist.value) == str(one.value)
+    assert case == "hidden" or f"{csv}:" in str(one.value)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".dist", "dist"))]
+
+
+def test_driver_never_lists(client, tmp_path, monkeypatch):
+    """The whole-root walk, the one-process scan and CSV row parsing fail in this (the driver's)
+    process only: the Dask conversion still packs every sample."""
+    import sys
+
+    import packio.sources.csvrows
+    import packio.sources.listing
+    import packio.sources.walk
+
+    csv = _battery(tmp_path)
+    src = tmp_path / "data" / "train"
+    one = packio.convert(src, tmp_path / "one.lmdb", csv=csv, progress=False)
+
+    def refuse(*a, **k):
+        raise AssertionError("the driver listed the source")
+
+    for module, name in ((packio.sources.walk, "walk"), (packio.sources.listing, "walk"),
+                         (packio.sources.listing, "scan_source"), (sys.modules["packio.pack.plan"], "scan_source"),
+                         (packio.sources.csvrows._Parser, "add"), (packio.sources.csvrows, "read_csv")):
+        monkeypatch.setattr(module, name, refuse)
+    dist = packio.convert(src, tmp_path / "dist.lmdb", csv=csv, progress=False, scheduler=client, parts=2)
+    assert dist.packed == one.packed and dist.skipped == one.skipped
+    monkeypatch.undo()
+    assert _dump(tmp_path / "dist.lmdb") == _dump(tmp_path / "one.lmdb")
+
+
+DRIVER = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+import packio, packio.pack
+from dask import distributed
+
+class Listed(Exception):
+    pass
+
+def stop(*a, **k):  # the listing is made: what the driver holds for it is measured here
+    raise Listed
+
+def peak_kib():
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+
+if __name__ == "__main__":
+    root, out = sys.argv[1:3]
+    packio.pack.plan = stop
+    peaks = []
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                  silence_logs=50) as c, distributed.Client(c) as client:
+        for name in ("small", "big"):
+            try:
+                packio.convert(f"{root}/{name}", f"{out}/{name}.lmdb", csv=f"{root}/{name}.csv", scheduler=client,
+                               progress=False)
+            except Listed:
+                peaks.append(peak_kib())
+    print(json.dumps(peaks))
+"""
+
+
+def _many(root: Path, n: int) -> None:
+    rows = ["filename,label,class,xmin,ymin,xmax,ymax\n"]
+    for k in range(100):
+        (root / f"c{k:02d}").mkdir(parents=True)
+    for i in range(n):
+        name = f"c{i % 100:02d}/img{i:08d}.jpg"
+        open(root / name, "wb").close()  # the listing reads no file
+        rows.append(f"{name},l{i % 10},b{i % 5},{i % 3},{i % 4},{8 + i % 5},{9 + i % 6}\n")
+    Path(f"{root}.csv").write_text("".join(rows))
+
+
+def test_driver_memory_does_not_grow_with_the_listing(tmp_path):
+    """The driver's peak RSS from a listing of 5,000 samples to one of 60,000 (a child, under
+    RLIMIT_AS and a timeout): the whole listing held there costs ~55 B a sample or more."""
+    import json
+    import subprocess
+    import sys
+
+    small, big = 5_000, 60_000
+    _many(tmp_path / "small", small)
+    _many(tmp_path / "big", big)
+    (tmp_path / "child.py").write_text(DRIVER)
+    r = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path), str(tmp_path)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, after = json.loads(r.stdout.strip().splitlines()[-1])
+    growth = (after - before) * 1024 / (big - small)
+    assert growth < 20, f"driver peak grew {growth:.1f} B per sample ({before} -> {after} KiB)"

@@ -95,9 +95,8 @@ def _join(client: Any, root: Path, csv: str | None, strict: bool, spill: Path, c
     results = _gather(client, [_submit(client, split.join_bucket, str(root), str(csv or ""), strict, b, nb, chunks,
                                        ranges, frames, p) for b, p in enumerate(paths)])
     errors = [r["error"] for r in results if r["error"]]
-    joined = [e for e in errors if e[0][0] == 0]
-    if joined:  # a row naming no file comes before "no row names a file" and before label conflicts
-        raise SourceError(min(joined)[1])
+    if errors:  # rows naming no file before label conflicts (which mean some row names a file)
+        raise SourceError(min(errors)[1])
     for r, p in zip(results, paths):
         r["path"] = p
     return results
@@ -130,9 +129,6 @@ def split_source(client: Any, root: Path, csv: str | Path | None, columns: dict[
         raise SourceError(f"{csv}: none of its {kept_rows} rows names an image in {root} (first: {first!r}); give "
                           f"file names relative to the folder, or map the file-name column with --csv-columns "
                           f"filename=COLUMN")
-    conflict = [r["error"] for r in joined if r["error"]]
-    if conflict:
-        raise SourceError(min(conflict)[1])
     folders = labelling(set().union(*(r["image_folders"] for _, r in walked)))
     classes = sort_classes(folders | set().union(*(r["labels"] for r in joined)))
     box_classes = sort_classes(set().union(*(r["box_classes"] for r in joined)))

@@ -341,23 +341,25 @@ def split_csv(path: Path, size: int) -> list[tuple[int, int, int]] | None:
     starts: list[tuple[int, int]] = []
     lines, pos, last = 0, 0, b""
     with _open_checked(path, "rb") as f:
-        while block := os.pread(f.fileno(), 1 << 20, pos):
+        while block := os.pread(f.fileno(), 1 << 16, pos):
             if b'"' in block:
                 return None
             found = _line_starts(block, pos, size, starts)
             if found is None:
                 return None
             for j in found:
-                starts.append((pos + j, lines + _lines(block[:j], last)))
+                starts.append((pos + j, lines + _lines(block, last, j)))
             lines += _lines(block, last)
             pos, last = pos + len(block), block[-1:]
     ends = [s for s, _ in starts[1:]] + [pos]
     return [(a, b, n) for (a, n), b in zip(starts, ends) if b > a]
 
 
-def _lines(block: bytes, last: bytes) -> int:
-    """Line ends in ``block`` (``\n``, ``\r\n`` or a lone ``\r``), ``last`` the byte before it."""
-    return block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n") - (last == b"\r" and block[:1] == b"\n")
+def _lines(block: bytes, last: bytes, end: int | None = None) -> int:
+    """Line ends in ``block[:end]`` (``\n``, ``\r\n`` or a lone ``\r``), ``last`` the byte before it."""
+    end = len(block) if end is None else end
+    return (block.count(b"\n", 0, end) + block.count(b"\r", 0, end) - block.count(b"\r\n", 0, end)
+            - (last == b"\r" and block[:1] == b"\n" and end > 0))
 
 
 def _line_starts(block: bytes, pos: int, size: int, starts: list[tuple[int, int]]) -> list[int] | None:
