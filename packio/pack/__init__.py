@@ -59,12 +59,10 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
     Tar: ``shards`` (default: see ``plan_shards``) or ``shard_samples`` per shard;
     a shard also ends at ``shard_bytes``.
 
-    ``workers``: ``"auto"`` (time the first inputs, then use processes only when they
-    pay off), or N local processes reading and checking inputs; one process writes.
-    ``scheduler``: a Dask scheduler address (``"tcp://host:8786"``), ``Client`` or
-    cluster: the listing is split into ``parts`` contiguous partitions, each packed
-    by one task into its own part; the parts are committed under one manifest once
-    all of them are complete (needs ``pip install 'packio[dask]'``).
+    ``workers``: ``"auto"`` (time the first inputs, then use processes only when they pay off),
+    or N local processes reading and checking inputs; one process writes. ``scheduler``: a Dask
+    address (``"tcp://host:8786"``), ``Client`` or cluster (``packio[dask]``): Dask tasks list an
+    image folder, then pack ``parts`` partitions, committed under one manifest when all are done.
 
     ``check``: a JPEG that libjpeg decodes only with warnings (garbage entropy data, a
     cut scan) is skipped and counted as "corrupt image data" wherever it is decoded
@@ -75,12 +73,11 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
     lenient decoding (a damaged image is re-encoded with made-up pixels).
     ``max_pixels`` defaults to ``packio.limits.MAX_PIXELS``.
 
-    ``dst`` may not be, hold or lie inside ``src``; a lock beside it makes a second
-    conversion to the same path fail at once. ``overwrite`` replaces only a packio
-    dataset, atomically. Symlinks in ``src`` are followed only where they stay inside
-    it, unless ``follow_symlinks``; every skipped entry is counted. SIGTERM / SIGHUP
-    remove the temporary output as Ctrl-C does. ``append=True`` adds ``src`` to the folder
-    dataset ``dst`` as one more part, with its stored settings (:mod:`packio.pack.append`).
+    ``dst`` may not be, hold or lie inside ``src``; a lock beside it makes a second conversion
+    to the same path fail at once. ``overwrite`` replaces only a packio dataset, atomically.
+    Symlinks in ``src`` are followed only where they stay inside it, unless ``follow_symlinks``;
+    every skipped entry is counted. SIGTERM / SIGHUP remove the temporary output as Ctrl-C does.
+    ``append=True`` adds ``src`` to the folder dataset ``dst`` as one more part (:mod:`.append`).
     """
     options, t0 = merge_options(PackOptions, options, fields, "convert"), time.perf_counter()
     src, dst, spec, packed = check_request(src, dst, options, csv=csv, columns=columns, workers=workers, parts=parts,
