@@ -274,3 +274,50 @@ def test_driver_memory_does_not_grow_with_the_listing(tmp_path):
     before, after = json.loads(r.stdout.strip().splitlines()[-1])
     growth = (after - before) * 1024 / (big - small)
     assert growth < 20, f"driver peak grew {growth:.1f} B per sample ({before} -> {after} KiB)"
+
+
+def _join_all(root: Path, keys: list[str], names: list[str]) -> list[str]:
+    """Per row, what the join made of it: the file's key, or the skip's reason."""
+    from packio.sources.csvrows import Rows
+    from packio.sources.join import join
+    from packio.sources.strings import Strings
+
+    n = len(names)
+    rows = Rows("a.csv", Strings.of(names), np.arange(2, n + 2, dtype=np.int32), np.full(n, -1, np.int32),
+                np.zeros(n, bool), np.zeros((n, 4), np.float32), np.full(n, -1, np.int32), None, [], [])
+    why: dict[int, str] = {}
+    found = join(root, Strings.of(keys), rows, lambda r, w, d: why.__setitem__(int(w.rsplit(":", 1)[1]) - 2, r),
+                 False)
+    return [keys[f] if f >= 0 else why[i] for i, f in enumerate(found.tolist())]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_join_by_stem_bucket_is_the_whole_join(tmp_path, seed):
+    """join_stems' argument checked: rows and files split by the hash of the stem, each
+    bucket joined alone, give every row the file (or skip) the one join gives it."""
+    from packio.sources.join import join_stems, stem_hashes
+    from packio.sources.strings import Strings
+
+    rng = random.Random(seed)
+    root = tmp_path / "data" / "train"
+    parts = ["a", "b", "x.jpg", "é", "e\u0301", "1", "10"]
+    keys = sorted({"/".join(rng.choice(parts) for _ in range(rng.randint(0, 2))) + ("/" if rng.random() < .7 else "")
+                   + rng.choice(["x", "y", "1", "x.y", "é"]) + rng.choice([".jpg", ".png", "", "."])
+                   for _ in range(rng.randint(1, 14))} - {""})
+    keys = [k.lstrip("/") for k in keys if not k.startswith(".") and "/." not in k]
+
+    def name() -> str:
+        k = rng.choice(keys + ["gone.jpg", "a/x.jpg"])
+        return rng.choice([k, k.rsplit("/", 1)[-1], k.rsplit("/", 1)[-1].rsplit(".", 1)[0], "train/" + k,
+                           "data/train/" + k, str(root / k), str(root / ".." / k), k + "/", "./" + k, k + "/.",
+                           k + "/..", "", ".", "..", "/", "a//" + k, "/elsewhere/" + k])
+    names = [name() for _ in range(rng.randint(1, 25))]
+    whole = _join_all(root, keys, names)
+    key_h, row_h = stem_hashes(Strings.of(keys)).tolist(), join_stems(root, Strings.of(names)).tolist()
+    for nb in (2, 5, 64):
+        got: dict[int, str] = {}
+        for b in range(nb):
+            kb = [k for k, h in zip(keys, key_h) if (h * nb) >> 64 == b]
+            rb = [i for i, h in enumerate(row_h) if (h * nb) >> 64 == b]
+            got.update(zip(rb, _join_all(root, kb, [names[i] for i in rb]) if rb else []))
+        assert [got[i] for i in range(len(names))] == whole, (keys, names)

@@ -70,27 +70,26 @@ def _candidates(top: tuple[str, ...], root: str, name: str) -> list[str]:
     return out
 
 
-def join_stems(root: Path, names: Strings) -> tuple[np.ndarray, np.ndarray]:
-    """Per name: the hash of the stem of the file names it may name (see :func:`join`) and of
-    its own stem (what :func:`_shared_bases` groups by).
+def join_stems(root: Path, names: Strings) -> np.ndarray:
+    """Per CSV name: the hash of the stem of the file names it may name (its bucket).
 
-    Why the join can run apart on each group of names that share a stem hash (a Dask
-    bucket) with the same result: every step of :func:`join` relates a row only to files
-    or rows of the same stem. An exact name or any of its candidates (the name read
-    relative to a folder above the root, or an absolute path made relative) ends in the
-    same last part, so the keys it can match have that base name, hence its stem; a bare
-    name matches keys whose base is the name or whose stem is it, so whose stem is the
-    name's stem; :func:`_shared_bases` compares rows of one base name, hence one stem of
-    their own names (a row whose candidates end otherwise, ``a/x.jpg/`` say, lands with
-    its candidates and is shown, as a name only, to its own stem's group: ``also``);
-    duplicate rows hold equal names; conflicting labels are rows naming one file."""
+    Why :func:`join` run apart on each bucket's files and rows (those whose stem hashes
+    match) gives the whole join's result: every step relates a row only to files or rows of
+    the same stem. An exact name and each of its candidates (the name read relative to a
+    folder above the root, an absolute path made relative) end in the same last part, so
+    the keys it can match have that base name, hence that stem. A bare name matches keys
+    whose base is the name or whose stem is it: their stem is the name's. ``_shared_bases``
+    relates rows of one base name ``B``: for ``B`` a plain name (not '', '.', '..': the
+    lexical clean-up keeps any other last part), every row with that base has candidates
+    ending in ``B``, so the bucket of ``stem(B)``; a bare '', '.' or '..' names no file
+    either way (keys have no such base, nor stem: names starting with '.' are not walked).
+    Duplicate rows hold equal names; conflicting labels are rows naming one file."""
     top, abs_root = Path(os.path.abspath(root)).parts, os.path.abspath(root)
-    target, own = np.empty(len(names), np.uint64), np.empty(len(names), np.uint64)
+    out = np.empty(len(names), np.uint64)
     for i, name in enumerate(names):
         found = _candidates(top, abs_root, name) if "/" in name else [name]
-        own[i] = _hash(_stem(name))
-        target[i] = _hash(_stem(found[0])) if found else own[i]
-    return target, own
+        out[i] = _hash(_stem(found[0] if found else name))
+    return out
 
 
 def stem_hashes(keys: Strings) -> np.ndarray:
@@ -98,22 +97,17 @@ def stem_hashes(keys: Strings) -> np.ndarray:
     return np.fromiter((_hash(_stem(k)) for k in keys), np.uint64, len(keys))
 
 
-def _shared_bases(rows: Rows, also: Strings | None = None) -> set[str]:
-    """File names the CSV gives with two or more different paths (few; kept as a set);
-    ``also``: more names of the CSV (rows kept apart, see :func:`join_stems`)."""
-    names = rows.names if also is None or not len(also) else Strings.concat([rows.names, also])
-    pairs = np.stack([np.fromiter((_hash(_base(n)) for n in names), np.uint64, len(names)),
-                      names.hashes()], axis=1) if len(names) else np.zeros((0, 2), np.uint64)
+def _shared_bases(rows: Rows) -> set[str]:
+    """File names the CSV gives with two or more different paths (few; kept as a set)."""
+    pairs = np.stack([np.fromiter((_hash(_base(n)) for n in rows.names), np.uint64, len(rows)),
+                      rows.names.hashes()], axis=1) if len(rows) else np.zeros((0, 2), np.uint64)
     distinct = np.unique(pairs, axis=0)
     bases, counts = np.unique(distinct[:, 0], return_counts=True)
     shared = set(bases[counts > 1].tolist())
-    return {_base(n) for k, n in enumerate(names) if int(pairs[k, 0]) in shared} if shared else set()
+    return {_base(n) for k, n in enumerate(rows.names) if int(pairs[k, 0]) in shared} if shared else set()
 
-
-
-def join(root: Path, keys: Strings, rows: Rows, skip: Skip, strict: bool, also: Strings | None = None) -> np.ndarray:
-    """Per row: the index of the file it names, -1 when skipped (and counted); ``also``:
-    see :func:`_shared_bases`."""
+def join(root: Path, keys: Strings, rows: Rows, skip: Skip, strict: bool) -> np.ndarray:
+    """Per row: the index of the file it names, -1 when skipped (and counted)."""
     index = HashIndex(keys.hashes())
     found = np.empty(len(rows), np.int32 if len(keys) < 1 << 31 else np.int64)
     for a in range(0, len(rows), CHUNK):  # a chunk of rows at a time: few temporaries per row
@@ -128,7 +122,7 @@ def join(root: Path, keys: Strings, rows: Rows, skip: Skip, strict: bool, also: 
         return found
     exact = _Index(keys, lambda s: s)
     by_base, by_stem = _Index(keys, _base), _Index(keys, _stem)
-    shared = _shared_bases(rows, also)
+    shared = _shared_bases(rows)
     top, abs_root = Path(os.path.abspath(root)).parts, os.path.abspath(root)
     for i in todo:
         name = rows.names[i]

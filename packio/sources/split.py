@@ -82,30 +82,35 @@ class _Spill:
         return os.path.exists(os.path.join(self.path, name + ".npy"))
 
     def strings(self, name: str, a: int | None = None, b: int | None = None) -> Strings:
+        """Strings ``a:b`` (a copy), or all of them (mapped)."""
         s = Strings(self[name + "_data"], self[name + "_offsets"])
-        return s.slice(a or 0, len(s) if b is None else b)
+        return s if a is None else s.slice(a, len(s) if b is None else b)
 
 
 def _strings(name: str, s: Strings) -> dict[str, np.ndarray]:
     return {name + "_data": s.data, name + "_offsets": s.offsets}
 
 
-def _sorted_by(hashes: np.ndarray, prefix: str) -> dict[str, np.ndarray]:
-    """The order that sorts ``hashes``, and the bucket-able hashes in that order."""
-    order = np.argsort(hashes, kind="stable")
-    return {prefix + "order": order, prefix + "hashes": hashes[order]}
-
-
-def _bucket_slice(spill: _Spill, prefix: str, b: int, nb: int) -> np.ndarray:
-    """Positions (ascending: the spill's own order) of the entries whose hash falls in bucket ``b`` of ``nb``."""
-    h = spill[prefix + "hashes"]
+def _bucket_range(spill: _Spill, name: str, b: int, nb: int) -> tuple[int, int]:
+    """Where the entries whose hash (sorted, in ``name``) falls in bucket ``b`` of ``nb`` lie."""
+    h = spill[name]
     lo, hi = (int(np.searchsorted(h, np.uint64(_bucket_start(k, nb)))) if k < nb else len(h) for k in (b, b + 1))
-    return np.sort(np.asarray(spill[prefix + "order"][lo:hi]))
+    return lo, hi
 
 
 def _bucket_start(b: int, nb: int) -> int:
     """The first 64-bit hash of bucket ``b`` of ``nb`` (buckets: equal hash ranges)."""
     return -(-(b << 64) // nb)
+
+
+def _by_hash(hashes: np.ndarray, **columns: Any) -> dict[str, np.ndarray]:
+    """``columns`` (arrays, or ``Strings`` saved as two arrays) in the order of their sorted
+    ``hashes``, the hashes and each entry's place before: a bucket is then one slice of each."""
+    order = np.argsort(hashes, kind="stable")
+    out = {"hashes": hashes[order], "pos": order}
+    for name, col in columns.items():
+        out.update(_strings(name, col.take(order)) if isinstance(col, Strings) else {name: col[order]})
+    return out
 
 
 def walk_chunk(root: str, exclude: list[str], follow: bool, start: Start, recursive: bool,
@@ -115,33 +120,32 @@ def walk_chunk(root: str, exclude: list[str], follow: bool, start: Start, recurs
     skips = Skips()
     files, subfolders = walk_part(Path(root), skips.skip, set(exclude), follow, start, recursive)
     _save(out, {**_strings("keys", files.keys), "folder": files.folder, **_strings("folders", Strings.of(
-        files.folders)), **_sorted_by(stem_hashes(files.keys), "")})
+        files.folders)), **_by_hash(stem_hashes(files.keys), bkeys=files.keys)})
     return skips.result(count=len(files.keys), image_folders=image_folders(files), subfolders=subfolders)
 
 
 def read_range(root: str, csv: str, columns: dict[str, str], span: tuple[int, int, int] | None,
                out: str) -> dict[str, Any]:
-    """Step 1: the CSV's rows in ``span`` (see ``csvrows.read_csv_range``), spilled to ``out``."""
+    """Step 1: the CSV's rows in ``span`` (see ``csvrows.read_csv_range``), spilled to ``out`` by bucket."""
     skips = Skips()
     rows, digests, _ = read_csv_range(Path(csv), columns, skips.skip, span)
-    target, own = join_stems(Path(root), rows.names)
     arrays = {name: getattr(rows, name) for name in _ROWS}
     if rows.frames is not None:
         arrays["frames"] = rows.frames
-    _save(out, {**arrays, **_strings("names", rows.names), "digests": digests,
+    _save(out, {**_by_hash(join_stems(Path(root), rows.names), **arrays, names=rows.names, digests=digests),
                 **_strings("image_names", Strings.of(rows.image_names)),
-                **_strings("box_names", Strings.of(rows.box_names)), **_sorted_by(target, ""),
-                **_sorted_by(own, "own_")})
+                **_strings("box_names", Strings.of(rows.box_names))})
     return skips.result(rows=len(rows), first=rows.names[0] if len(rows) else None)
 
 
-def _take_rows(spill: _Spill, idx: np.ndarray, path: str) -> tuple[Rows, np.ndarray]:
-    """Rows ``idx`` of a range's spill, and their digests."""
-    names = spill.strings("names")
-    frames = np.asarray(spill["frames"][idx]) if spill.has("frames") else None
-    cols = [np.asarray(spill[name][idx]) for name in _ROWS]
-    return Rows(path, names.take(idx), *cols, frames, list(spill.strings("image_names")),
-                list(spill.strings("box_names"))), np.asarray(spill["digests"][idx])
+def _take_rows(spill: _Spill, lo: int, hi: int, path: str) -> tuple[Rows, np.ndarray]:
+    """Rows ``lo:hi`` of a range's spill in CSV order, and their digests."""
+    order = np.argsort(spill["pos"][lo:hi], kind="stable")
+    frames = np.asarray(spill["frames"][lo:hi])[order] if spill.has("frames") else None
+    cols = [np.asarray(spill[name][lo:hi])[order] for name in _ROWS]
+    return Rows(path, spill.strings("names", lo, hi).take(order), *cols, frames,
+                list(spill.strings("image_names")), list(spill.strings("box_names"))), \
+        np.asarray(spill["digests"][lo:hi])[order]
 
 
 def _merge_rows(parts: list[Rows], path: str, frames: bool) -> Rows:
@@ -166,27 +170,25 @@ def _bucket_keys(chunks: list[str], b: int, nb: int) -> tuple[Strings, np.ndarra
     keys, chunk, place = [], [], []
     for c, path in enumerate(chunks):
         spill = _Spill(path)
-        idx = _bucket_slice(spill, "", b, nb)
-        keys.append(spill.strings("keys").take(idx))
-        chunk.append(np.full(len(idx), c, np.int64))
-        place.append(idx)
+        lo, hi = _bucket_range(spill, "hashes", b, nb)
+        pos = np.asarray(spill["pos"][lo:hi])
+        order = np.argsort(pos, kind="stable")
+        keys.append(spill.strings("bkeys", lo, hi).take(order))
+        chunk.append(np.full(len(pos), c, np.int64))
+        place.append(pos[order])
     return Strings.concat(keys), np.concatenate(chunk or [np.zeros(0, np.int64)]), \
         np.concatenate(place or [np.zeros(0, np.int64)])
 
 
-def _bucket_rows(ranges: list[str], csv: str, b: int, nb: int, frames: bool) -> tuple[Rows, np.ndarray, Strings]:
-    """The CSV rows of bucket ``b`` (in CSV order), their digests, and the names of rows kept in
-    other buckets whose own stem falls in this one (``also`` of ``join.join``)."""
-    parts, digests, also = [], [], []
+def _bucket_rows(ranges: list[str], csv: str, b: int, nb: int, frames: bool) -> tuple[Rows, np.ndarray]:
+    """The CSV rows of bucket ``b`` (in CSV order) and their digests."""
+    parts, digests = [], []
     for path in ranges:
         spill = _Spill(path)
-        rows, d = _take_rows(spill, _bucket_slice(spill, "", b, nb), csv)
+        rows, d = _take_rows(spill, *_bucket_range(spill, "hashes", b, nb), csv)
         parts.append(rows)
         digests.append(d)
-        own = _bucket_slice(spill, "own_", b, nb)
-        also.append(spill.strings("names").take(own))
-    return _merge_rows(parts, csv, frames), np.concatenate(digests or [np.zeros((0, 2), np.uint64)]), \
-        Strings.concat(also)
+    return _merge_rows(parts, csv, frames), np.concatenate(digests or [np.zeros((0, 2), np.uint64)])
 
 
 def join_bucket(root: str, csv: str, strict: bool, b: int, nb: int, chunks: list[str], ranges: list[str],
@@ -195,13 +197,13 @@ def join_bucket(root: str, csv: str, strict: bool, b: int, nb: int, chunks: list
     found; spilled to ``out`` sorted by chunk. With ``strict``, the first error is returned
     (``error``: an order and its message) for the driver to raise the one the whole would."""
     keys, chunk, place = _bucket_keys(chunks, b, nb)
-    rows, digests, also = _bucket_rows(ranges, csv, b, nb, frames)
+    rows, digests = _bucket_rows(ranges, csv, b, nb, frames)
     skips, joins = Skips(), Skips()
     rows = drop_duplicates(rows, digests, skips.skip)
     del digests
-    file_of = join(Path(root), keys, rows, joins.skip, False, also)
+    file_of = join(Path(root), keys, rows, joins.skip, False)
     if strict and joins.lines:  # the first row that fails: rows are in CSV order
-        return {"error": ((0, joins.lines[0]), _raised(lambda: join(Path(root), keys, rows, joins.skip, True, also)))}
+        return {"error": ((0, joins.lines[0]), _raised(lambda: join(Path(root), keys, rows, joins.skip, True)))}
     bad = conflicts(rows, file_of, joins.skip, keys, False)
     if strict and bad.any():  # the first file that fails: in walk order
         fi = min(np.flatnonzero(bad).tolist(), key=lambda f: (int(chunk[f]), int(place[f])))
@@ -213,6 +215,7 @@ def join_bucket(root: str, csv: str, strict: bool, b: int, nb: int, chunks: list
     if rows.frames is not None:
         arrays["frames"] = rows.frames[sel]
     badf = np.flatnonzero(bad)
+    badf = badf[np.argsort(chunk[badf], kind="stable")]
     _save(out, {**arrays, "chunk": chunk[file_of[sel]], "place": place[file_of[sel]],
                 "bad_chunk": chunk[badf], "bad_place": place[badf], **_strings("image_names", Strings.of(
                     rows.image_names)), **_strings("box_names", Strings.of(rows.box_names))})
@@ -243,7 +246,8 @@ def _chunk_rows(buckets: list[str], c: int, csv: str, frames: bool, n: int) -> t
         parts.append(Rows(csv, no_names, *arrays, np.asarray(spill["frames"][lo:hi]) if frames else None,
                           list(spill.strings("image_names")), list(spill.strings("box_names"))))
         place.append(np.asarray(spill["place"][lo:hi]))
-        bad[np.asarray(spill["bad_place"])[np.asarray(spill["bad_chunk"]) == c]] = True
+        bc = spill["bad_chunk"]
+        bad[np.asarray(spill["bad_place"][np.searchsorted(bc, c, "left"):np.searchsorted(bc, c, "right")])] = True
     rows = _merge_rows(parts, csv, frames)
     order = np.argsort(rows.line, kind="stable")
     return rows.take(order), np.concatenate(place or [np.zeros(0, np.int64)])[order], bad
