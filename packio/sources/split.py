@@ -166,16 +166,15 @@ def _merge_rows(parts: list[Rows], path: str, frames: bool) -> Rows:
 
 
 def _bucket_keys(chunks: list[str], b: int, nb: int) -> tuple[Strings, np.ndarray, np.ndarray]:
-    """The keys of bucket ``b`` from every chunk's spill (in walk order), with each key's chunk and place in it."""
+    """The keys of bucket ``b`` from every chunk's spill, with each key's chunk and place in it
+    (their order changes no result of the join: a row's hits are one file, or several)."""
     keys, chunk, place = [], [], []
     for c, path in enumerate(chunks):
         spill = _Spill(path)
         lo, hi = _bucket_range(spill, "hashes", b, nb)
-        pos = np.asarray(spill["pos"][lo:hi])
-        order = np.argsort(pos, kind="stable")
-        keys.append(spill.strings("bkeys", lo, hi).take(order))
-        chunk.append(np.full(len(pos), c, np.int64))
-        place.append(pos[order])
+        keys.append(spill.strings("bkeys", lo, hi))
+        chunk.append(np.full(hi - lo, c, np.int64))
+        place.append(np.asarray(spill["pos"][lo:hi]))
     return Strings.concat(keys), np.concatenate(chunk or [np.zeros(0, np.int64)]), \
         np.concatenate(place or [np.zeros(0, np.int64)])
 
