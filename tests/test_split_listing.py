@@ -128,6 +128,22 @@ def test_battery_without_csv_and_flat(client, tmp_path, monkeypatch):
     _same(client, tmp_path, flat, csv)
 
 
+def test_follow_symlinks_matches_one_process(client, tmp_path):
+    """--follow-symlinks: a linked folder packed under its own path, a loop skipped, across chunks."""
+    src = tmp_path / "src"
+    for k in range(3):
+        _write(src, f"a/{k}.jpg", k)
+        _write(src, f"b/in/{k}.jpg", 10 + k)
+    _write(tmp_path / "outside", "o.jpg", 20)
+    os.symlink(src / "a", src / "c")  # the same folder again
+    os.symlink(src / "b", src / "b" / "in" / "loop")  # a folder inside itself
+    os.symlink(tmp_path / "outside", src / "b" / "out")
+    csv = tmp_path / "a.csv"
+    csv.write_text("filename,label\nc/0.jpg,x\n0.jpg,y\nb/out/o.jpg,z\n")
+    one, _ = _same(client, tmp_path, src, csv, follow_symlinks=True)
+    assert one.packed == 10 and one.skipped
+
+
 def _random_source(root: Path, rng: random.Random) -> Path | None:
     """A seeded source: random folders and names, and a CSV naming them (or not) every way."""
     folders = ["", *[rng.choice(["a", "b", "c", "a/x", "b/y/z", "é", "e\u0301"]) for _ in range(rng.randint(0, 4))]]
@@ -366,3 +382,54 @@ def test_csv_ranges_hold_the_rows_of_the_whole(tmp_path, seed):
     key = lambda x: (int(x[1].rsplit(":", 1)[1]), 0) if isinstance(x[1], str) else (x[1], 1)  # noqa: E731
     assert sorted(parts, key=key) == sorted(whole, key=key)
     assert [x for x in parts if not isinstance(x[1], str)] == [x for x in whole if not isinstance(x[1], str)]
+
+
+KILLED = r"""
+import sys, time
+from pathlib import Path
+import packio, packio.pack
+from dask import distributed
+
+def hold(*a, **k):  # the listing is spilled: say so, and wait for the kill
+    Path(sys.argv[3]).write_text("listed")
+    time.sleep(120)
+
+if __name__ == "__main__":
+    src, dst, marker, address = sys.argv[1:5]
+    packio.pack.plan = hold
+    with distributed.Client(address) as client:
+        packio.convert(src, dst, csv=src + ".csv", scheduler=client, progress=False)
+"""
+
+
+def test_driver_killed_after_the_listing_leaves_nothing(client, tmp_path):
+    """kill -9 of the driver with the listing spilled: nothing under the final name; the next
+    conversion removes the dead run's temporary (spills included) and packs."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "src"
+    for k in range(6):
+        _write(src, f"{'ab'[k % 2]}/{k}.jpg", k)
+    Path(f"{src}.csv").write_text("filename,label\na/0.jpg,x\n")
+    (tmp_path / "child.py").write_text(KILLED)
+    dst, marker = tmp_path / "out.lmdb", tmp_path / "listed"
+    p = subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(src), str(dst), str(marker),
+                          client.scheduler.address], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not marker.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), p.stderr.read()[-2000:] if p.poll() is not None else "no listing in 60 s"
+        tmp = [d for d in tmp_path.glob(".out.lmdb.packio-tmp-*")]
+        assert len(tmp) == 1 and any((tmp[0] / sl.SPILL).iterdir())  # the spills are under the temporary
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    assert not dst.exists()
+    s = packio.convert(src, dst, csv=f"{src}.csv", scheduler=client, progress=False)
+    assert s.packed == 6 and not list(tmp_path.glob(".out.lmdb.packio-tmp-*"))
+    assert {p.name for p in dst.iterdir()} == {"packio.json"} | {x["path"] for x in
+                                                                  packio.open_reader(dst).manifest.extra["parts"]}
