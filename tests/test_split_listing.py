@@ -128,6 +128,20 @@ def test_battery_without_csv_and_flat(client, tmp_path, monkeypatch):
     _same(client, tmp_path, flat, csv)
 
 
+def test_nested_runs_match_one_process(client, tmp_path, monkeypatch):
+    """Folders listed alone at the top, then runs of sibling sub-folders walked whole: never
+    a run across two parents (the second parent's own files come between in the walk)."""
+    monkeypatch.setattr(sl, "CHUNKS_PER_WORKER", 3)  # 2 workers: 6 chunks wanted
+    src = tmp_path / "src"
+    for i, top in enumerate("abc"):
+        _write(src, f"{top}/own.jpg", 40 + i)
+        for j, sub in enumerate("xyz"):
+            _write(src, f"{top}/{sub}/{j}.jpg", 10 * i + j)
+    _same(client, tmp_path, src, None)
+    r = packio.open_reader(tmp_path / "dist.lmdb")
+    assert [r.read(i).key for i in range(4)] == ["a/own.jpg", "a/x/0.jpg", "a/y/1.jpg", "a/z/2.jpg"]
+
+
 def test_follow_symlinks_matches_one_process(client, tmp_path):
     """--follow-symlinks: a linked folder packed under its own path, a loop skipped, across chunks."""
     src = tmp_path / "src"
@@ -173,8 +187,9 @@ def _random_source(root: Path, rng: random.Random) -> Path | None:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_fuzz_matches_one_process(client, tmp_path, seed):
+def test_fuzz_matches_one_process(client, tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
+    monkeypatch.setattr(sl, "CHUNKS_PER_WORKER", rng.choice([1, 2, 50]))  # runs of sibling folders, or each alone
     csv = _random_source(tmp_path, rng)
     try:
         packio.convert(tmp_path / "src", tmp_path / "probe.lmdb", csv=csv, progress=False)

@@ -14,6 +14,7 @@ from packio.pack.plan import Source
 from packio.sources import split
 from packio.sources.csvrows import csv_header, split_csv
 from packio.sources.listing import UNLABELLED, labelling, sort_classes
+from packio.sources.walk import Start
 
 __all__ = ["split_source", "SplitListing"]
 
@@ -52,22 +53,33 @@ def _submit(client: Any, fn: Any, *args: Any) -> Any:
 def _walk(client: Any, root: Path, exclude: list[str], follow: bool, spill: Path,
           target: int) -> list[tuple[str, dict[str, Any]]]:
     """The walk's chunks in its order: (spill, result). A folder is listed alone (its own files,
-    its sub-folders left as chunks of their own) while there are fewer than ``target`` chunks."""
+    its sub-folders left as chunks of their own) while there are fewer than ``target`` chunks;
+    then sibling sub-folders are walked whole, a few to a chunk (about ``target`` chunks)."""
     done: list[tuple[tuple[int, ...], str, dict[str, Any]]] = []
-    todo = [((), ("", str(root), frozenset()), True)]
+    todo: list[tuple[tuple[int, ...], list[Start], bool]] = [((), [("", str(root), frozenset())], True)]
     for depth in range(4):
         paths = [str(spill / f"walk-{depth}-{k}") for k in range(len(todo))]
-        results = _gather(client, [_submit(client, split.walk_chunk, str(root), exclude, follow, start, not expand,
-                                           p) for (_, start, expand), p in zip(todo, paths)])
-        nxt = []
+        results = _gather(client, [_submit(client, split.walk_chunk, str(root), exclude, follow, starts, not expand,
+                                           p) for (_, starts, expand), p in zip(todo, paths)])
+        below = []  # per folder listed alone: its order and its sub-folders
         for (order, _, expand), path, r in zip(todo, paths, results):
             done.append((order + (0,) if expand else order, path, r))
-            nxt += [(order + (j + 1,), s) for j, s in enumerate(r.pop("subfolders"))]
-        expand = len(done) + len(nxt) < target and depth < 2
-        todo = [(order, start, expand) for order, start in nxt]
+            below.append((order, r.pop("subfolders")))
+        todo = _next(below, len(done), target, depth < 2)
         if not todo:
             break
     return [(path, r) for _, path, r in sorted(done, key=lambda d: d[0])]
+
+
+def _next(below: list[tuple[tuple[int, ...], list[Start]]], chunks: int, target: int,
+          deeper: bool) -> list[tuple[tuple[int, ...], list[Start], bool]]:
+    """The next round's walk tasks: each sub-folder listed alone, or runs of siblings walked whole
+    (never runs across two parents: the parent's next sibling's own files come between)."""
+    total = sum(len(subs) for _, subs in below)
+    if deeper and chunks + total < target:
+        return [(order + (j + 1,), [s], True) for order, subs in below for j, s in enumerate(subs)]
+    size = max(1, -(-total // max(1, target)))
+    return [(order + (j + 1,), subs[j:j + size], False) for order, subs in below for j in range(0, len(subs), size)]
 
 
 def _read(client: Any, root: Path, csv: str | None, columns: dict[str, str], spill: Path) -> list[Any]:

@@ -113,12 +113,12 @@ def _by_hash(hashes: np.ndarray, **columns: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def walk_chunk(root: str, exclude: list[str], follow: bool, start: Start, recursive: bool,
+def walk_chunk(root: str, exclude: list[str], follow: bool, starts: list[Start], recursive: bool,
                out: str) -> dict[str, Any]:
-    """Step 1: the walk from ``start`` (see ``walk.walk_part``), spilled to ``out``; returns
+    """Step 1: the walk from ``starts`` (see ``walk.walk_part``), spilled to ``out``; returns
     its counts, skips, the names of its folders holding images and the sub-folders left to walk."""
     skips = Skips()
-    files, subfolders = walk_part(Path(root), skips.skip, set(exclude), follow, start, recursive)
+    files, subfolders = walk_part(Path(root), skips.skip, set(exclude), follow, starts, recursive)
     _save(out, {**_strings("keys", files.keys), "folder": files.folder, **_strings("folders", Strings.of(
         files.folders)), **_by_hash(stem_hashes(files.keys), bkeys=files.keys)})
     return skips.result(count=len(files.keys), image_folders=image_folders(files), subfolders=subfolders)
