@@ -142,6 +142,20 @@ def test_nested_runs_match_one_process(client, tmp_path, monkeypatch):
     assert [r.read(i).key for i in range(4)] == ["a/own.jpg", "a/x/0.jpg", "a/y/1.jpg", "a/z/2.jpg"]
 
 
+def test_relative_paths_are_the_drivers(client, tmp_path, monkeypatch):
+    """A source and CSV named relative to the driver's working folder (not the workers')."""
+    src = tmp_path / "src"
+    for k in range(4):
+        _write(src, f"{'ab'[k % 2]}/{k}.jpg", k)
+    (tmp_path / "a.csv").write_text("filename,label\na/0.jpg,x\n1.jpg,y\n")
+    one = packio.convert(src, tmp_path / "one.lmdb", csv=tmp_path / "a.csv", progress=False)
+    monkeypatch.chdir(tmp_path)
+    dist = packio.convert("src", "dist.lmdb", csv="a.csv", progress=False, scheduler=client, parts=2)
+    assert dist.packed == one.packed == 4 and dist.skipped == one.skipped
+    assert _dump(tmp_path / "dist.lmdb")[:3] == _dump(tmp_path / "one.lmdb")[:3]
+    assert packio.open_reader(tmp_path / "dist.lmdb").manifest.source["path"] == "src"
+
+
 def test_follow_symlinks_matches_one_process(client, tmp_path):
     """--follow-symlinks: a linked folder packed under its own path, a loop skipped, across chunks."""
     src = tmp_path / "src"

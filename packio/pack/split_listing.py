@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from packio import census
 from packio.errors import SourceError
 from packio.pack.plan import Source
 from packio.sources import split
@@ -123,16 +124,17 @@ def split_source(client: Any, root: Path, csv: str | Path | None, columns: dict[
     spill.mkdir()
     columns = columns or {}
     info = dict(csv_header(Path(csv), columns)[1]) if csv else {}
-    ranges = _read(client, root, str(csv) if csv else None, columns, spill)
-    walked = _walk(client, root, [os.path.abspath(csv)] if csv else [], follow_symlinks, spill,
-                   CHUNKS_PER_WORKER * workers)
+    # the tasks get absolute paths: a worker's working folder is not this process's
+    at, csv_at = Path(os.path.abspath(root)), os.path.abspath(csv) if csv else None
+    ranges = _read(client, at, csv_at, columns, spill)
+    walked = _walk(client, at, [csv_at] if csv_at else [], follow_symlinks, spill, CHUNKS_PER_WORKER * workers)
     read = _gather(client, ranges)
     skipped: Counter[str] = Counter()
     problems: list[str] = []
     _merge([r for _, r in walked] + read, skipped, problems)
     rows, files = sum(r["rows"] for r in read), sum(r["count"] for _, r in walked)
-    frames = bool(info.get("csv_columns", {}).get("width")) and bool(info["csv_columns"].get("height"))
-    joined = _join(client, root, csv and str(csv), strict, spill, [p for p, _ in walked],
+    frames = any(r["frames"] for r in read)  # the CSV has width and height columns
+    joined = _join(client, at, csv_at, strict, spill, [p for p, _ in walked],
                    [str(spill / f"csv-{k}") for k in range(len(read))], rows, files, frames)
     _merge(joined, skipped, problems)
     named, kept_rows = sum(r["named"] for r in joined), sum(r["rows"] for r in joined)
@@ -144,18 +146,18 @@ def split_source(client: Any, root: Path, csv: str | Path | None, columns: dict[
     folders = labelling(set().union(*(r["image_folders"] for _, r in walked)))
     classes = sort_classes(folders | set().union(*(r["labels"] for r in joined)))
     box_classes = sort_classes(set().union(*(r["box_classes"] for r in joined)))
-    finished = _gather(client, [_submit(client, split.finish_chunk, str(root), str(csv or ""), c, path,
+    finished = _gather(client, [_submit(client, split.finish_chunk, str(at), csv_at or "", c, path,
                                         [r["path"] for r in joined], folders, classes, box_classes, frames,
                                         str(spill / f"list-{c}")) for c, (path, _) in enumerate(walked)])
     info.update({"files": files, "csv_rows": kept_rows, "images_with_rows": named})
-    return _source(root, csv, info, finished, spill, classes, box_classes, skipped, problems)
+    return _source(root, csv, info, SplitListing(str(at), [(str(spill / f"list-{c}"), r["count"]) for c, r in
+                                                         enumerate(finished)]), finished, classes, box_classes,
+                   skipped, problems)
 
 
-def _source(root: Path, csv: str | Path | None, info: dict[str, Any], finished: list[dict[str, Any]], spill: Path,
-            classes: list[str], box_classes: list[str], skipped: Counter[str], problems: list[str]) -> Source:
-    from packio import census
-
-    listing = SplitListing(str(root), [(str(spill / f"list-{c}"), r["count"]) for c, r in enumerate(finished)])
+def _source(root: Path, csv: str | Path | None, info: dict[str, Any], listing: SplitListing,
+            finished: list[dict[str, Any]], classes: list[str], box_classes: list[str], skipped: Counter[str],
+            problems: list[str]) -> Source:
     notes: Counter[str] = Counter()
     unlabelled = sum(r["unlabelled"] for r in finished)
     if unlabelled and (unlabelled < len(listing) or info.get("csv_labels", {}).get("images")):

@@ -2,8 +2,8 @@
 step writing its share to a spill folder: whoever drives them holds a few numbers per
 chunk, never the listing. The steps give the same listing as ``scan_source``:
 
-1. ``walk_chunk``: one chunk of the walk (a folder's own files, or a whole subtree),
-   in the walk's order; ``read_range``: the rows of one byte range of the CSV.
+1. ``walk_chunk``: one chunk of the walk (a folder's own files, or the whole subtrees of
+   a run of sibling folders), in the walk's order; ``read_range``: one byte range of the CSV.
 2. ``join_bucket``: files and rows whose stems hash into one bucket, joined as
    ``scan_source`` joins them all (why that gives the same result: ``join.join_stems``).
 3. ``finish_chunk``: a chunk's listing columns, with the class lists merged from 2.
@@ -29,7 +29,7 @@ from packio.sources.listing import (Listing, box_class_names, box_columns, confl
 from packio.sources.strings import Strings
 from packio.sources.walk import Files, Start, walk_part
 
-__all__ = ["Skips", "walk_chunk", "read_range", "join_bucket", "finish_chunk", "ListingShare"]
+__all__ = ["Skips", "walk_chunk", "read_range", "join_bucket", "finish_chunk", "ListingShare", "share"]
 
 _ROWS = ("line", "image_label", "has_box", "boxes", "box_class")
 
@@ -40,7 +40,6 @@ class Skips:
     def __init__(self) -> None:
         self.skipped: Counter[str] = Counter()
         self.problems: list[str] = []
-
         self.lines: list[int] = []  # of the CSV rows skipped, in order
 
     def skip(self, reason: str, where: str, detail: str = "") -> None:
@@ -135,7 +134,7 @@ def read_range(root: str, csv: str, columns: dict[str, str], span: tuple[int, in
     _save(out, {**_by_hash(join_stems(Path(root), rows.names), **arrays, names=rows.names, digests=digests),
                 **_strings("image_names", Strings.of(rows.image_names)),
                 **_strings("box_names", Strings.of(rows.box_names))})
-    return skips.result(rows=len(rows), first=rows.names[0] if len(rows) else None)
+    return skips.result(rows=len(rows), first=rows.names[0] if len(rows) else None, frames=rows.frames is not None)
 
 
 def _take_rows(spill: _Spill, lo: int, hi: int, path: str) -> tuple[Rows, np.ndarray]:
