@@ -11,6 +11,7 @@ largest N to those at the smallest.
 
     python benchmarks/scale.py --n 10000 100000 1000000
     python benchmarks/scale.py --n 10000 100000 --tree /work/main      # the same run on another tree
+    python benchmarks/scale.py --n 10000 100000 1000000 --formats lmdb --per-folder 1000 --scheduler local
 
 ``--tree`` puts that tree's ``packio`` first on the children's path (before/after
 comparisons: run once per tree with the same ``--work`` folder; the images are reused).
@@ -40,7 +41,7 @@ GUESS_BYTES = {"lmdb": 1500, "wds": 3000, "arrays": 12600, "h5": 12600}
 
 PACK = r"""
 import gc, json, os, resource, sys, time
-src, csv_path, dst, fmt, workers = sys.argv[1:6]
+src, csv_path, dst, fmt, workers, dask_workers = sys.argv[1:7]
 import packio
 try:
     from packio.options import ResizeSpec
@@ -49,21 +50,32 @@ except ImportError:  # older trees (b8708ae) kept it in packio.decode
 def rss_kib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+def worker_cpu(client):  # the Dask worker processes' CPU so far, summed
+    if client is None:
+        return 0.0
+    used = lambda: (lambda r: r.ru_utime + r.ru_stime)(__import__("resource").getrusage(0))  # noqa: E731
+    return sum(client.run(used).values())
+client = cluster = None
+if int(dask_workers):  # --scheduler local: a LocalCluster; its scheduler runs in this (the driver's) process
+    from dask import distributed
+    cluster = distributed.LocalCluster(n_workers=int(dask_workers), threads_per_worker=1, processes=True,
+                                       dashboard_address=":0", silence_logs=50)
+    client = distributed.Client(cluster)
 base = rss_kib()
 gc.collect()
 before = [dict(s) for s in gc.get_stats()]
-ru0 = resource.getrusage(resource.RUSAGE_SELF)
+ru0, w0 = resource.getrusage(resource.RUSAGE_SELF), worker_cpu(client)
 t0 = time.perf_counter()
-s = packio.convert(src, dst, csv=csv_path, workers=int(workers), progress=False,
+s = packio.convert(src, dst, csv=csv_path, workers=int(workers), progress=False, scheduler=client,
                    resize=ResizeSpec(size=(64, 64)) if fmt == "arrays" else None)
 wall = time.perf_counter() - t0
-ru = resource.getrusage(resource.RUSAGE_SELF)
+ru, w1 = resource.getrusage(resource.RUSAGE_SELF), worker_cpu(client)
 after = gc.get_stats()
 with open("/proc/self/status") as f:  # this process's own peak (ru_maxrss keeps the forking parent's across exec)
     hwm = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
 print(json.dumps({"packio": packio.__file__, "packed": s.packed, "skipped": sum(s.skipped.values()),
                   "cpu_s": ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, "wall_s": wall,
-                  "base_rss_kib": base, "peak_rss_kib": hwm,
+                  "base_rss_kib": base, "peak_rss_kib": hwm, "worker_cpu_s": w1 - w0,
                   "gc_collections": [a["collections"] - b["collections"] for a, b in zip(after, before)]}))
 """
 
@@ -160,7 +172,7 @@ def run(work: Path, n: int, fmt: str, tree: Path | None, workers: int, read_limi
     if dst.exists():
         subprocess.run(["rm", "-rf", str(dst)], check=True)
     _check_disk(work, n, fmt, per_sample)
-    pack = child(PACK, [str(src), str(csv_path), str(dst), fmt, str(workers)], tree)
+    pack = child(PACK, [str(src), str(csv_path), str(dst), fmt, str(workers), str(ARGS.dask_workers)], tree)
     out_bytes = _disk_bytes(dst)
     per_sample[fmt] = out_bytes / n
     read = child(READ, [str(dst), str(read_limit)], tree)
@@ -173,7 +185,7 @@ def row(r: dict) -> str:
     return (f"{r['n']:>9} {r['format']:>7} {r['cpu_s'] / r['n'] * 1e6:9.1f} {r['peak_rss_kib'] / 1024:9.0f} "
             f"{growth:8.0f} {str(r['gc_collections']):>16} {r['open_ms']:8.1f} {r['reader_rss_kib'] / 1024:9.0f} "
             f"{r['read_cpu_s'] / r['read'] * 1e6:9.1f} {r['batch_cpu_s'] / r['read'] * 1e6:9.1f} "
-            f"{r['out_bytes'] / 2**20:9.0f}")
+            f"{r['out_bytes'] / 2**20:9.0f}" + (f" {r['worker_cpu_s'] / r['n'] * 1e6:10.1f}" if ARGS.dask_workers else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,12 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read", type=int, default=20_000, help="samples read per dataset for the read figure")
     ap.add_argument("--json", type=Path, help="also write every result here")
     ap.add_argument("--per-folder", type=int, default=0, help="images per sub-folder (0: one flat folder)")
+    ap.add_argument("--scheduler", choices=["local"], help="pack with Dask: a LocalCluster started in the child "
+                    "(peak RSS is then the driver's, scheduler included; 'wcpu us/s': the workers' CPU per sample)")
+    ap.add_argument("--dask-workers", type=int, default=2, help="LocalCluster worker processes (--scheduler local)")
     ARGS = a = ap.parse_args(argv)
+    a.dask_workers = a.dask_workers if a.scheduler else 0
     a.work.mkdir(parents=True, exist_ok=True)
     print(f"tree: {a.tree or 'this checkout / installed packio'}; {a.distinct} distinct 64x64 q90 JPEGs; "
-          f"workers={a.workers}; " + (f"{a.per_folder} per sub-folder" if a.per_folder else "one flat folder"))
+          f"workers={a.workers}; " + (f"{a.per_folder} per sub-folder" if a.per_folder else "one flat folder")
+          + (f"; Dask LocalCluster of {a.dask_workers} worker processes" if a.scheduler else ""))
     print(f"{'N':>9} {'format':>7} {'cpu us/s':>9} {'peak MiB':>9} {'B/sample':>8} {'gc gen0/1/2':>16} "
-          f"{'open ms':>8} {'read MiB':>9} {'read us/s':>9} {'batch us/s':>9} {'out MiB':>9}")
+          f"{'open ms':>8} {'read MiB':>9} {'read us/s':>9} {'batch us/s':>9} {'out MiB':>9}"
+          + (f" {'wcpu us/s':>10}" if a.scheduler else ""))
     results: list[dict] = []
     per_sample: dict[str, float] = {}  # output bytes per sample, measured
     for n in sorted(a.n):
@@ -211,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             grow = (r1["peak_rss_kib"] - r0["peak_rss_kib"]) * 1024 / (hi - lo)
             print(f"{fmt}: pack CPU/sample at {hi} = {r1['cpu_s'] / hi / (r0['cpu_s'] / lo):.2f} x at {lo}; "
                   f"read CPU/sample {r1['read_cpu_s'] / r1['read'] / (r0['read_cpu_s'] / r0['read']):.2f} x; "
-                  f"converter peak RSS grows {grow:.0f} B per sample from {lo} to {hi}")
+                  f"converter peak RSS grows {grow:.0f} B per sample from {lo} to {hi}" + (
+                      f"; Dask workers' CPU/sample {r1['worker_cpu_s'] / hi / (r0['worker_cpu_s'] / lo):.2f} x"
+                      if a.scheduler else ""))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -23,10 +23,11 @@ from packio.options import PackOptions, merge_options
 from packio.pack.append import (Relabeled, check_keys, commit_part, existing, first_key, merge_names, part_name,
                                 stored_options)
 from packio.pack.commit import check_output, output_lock, remove, staged, temp_name, terminate_cleanly
-from packio.pack.distributed import write_parts
+from packio.pack.distributed import client_for, write_parts
 from packio.pack.plan import Source, check_request, declared_shape, open_source, output_format, plan
 from packio.pack.prepare import Packed, Result, Skipped
 from packio.pack.report import Summary, summarize
+from packio.pack.split_listing import SPILL, split_source
 from packio.pack.write import Job, write_part
 from packio.sources.names import case_notes
 
@@ -58,12 +59,10 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
     Tar: ``shards`` (default: see ``plan_shards``) or ``shard_samples`` per shard;
     a shard also ends at ``shard_bytes``.
 
-    ``workers``: ``"auto"`` (time the first inputs, then use processes only when they
-    pay off), or N local processes reading and checking inputs; one process writes.
-    ``scheduler``: a Dask scheduler address (``"tcp://host:8786"``), ``Client`` or
-    cluster: the listing is split into ``parts`` contiguous partitions, each packed
-    by one task into its own part; the parts are committed under one manifest once
-    all of them are complete (needs ``pip install 'packio[dask]'``).
+    ``workers``: ``"auto"`` (time the first inputs, then use processes only when they pay off),
+    or N local processes reading and checking inputs; one process writes. ``scheduler``: a Dask
+    address (``"tcp://host:8786"``), ``Client`` or cluster (``packio[dask]``): Dask tasks list an
+    image folder, then pack ``parts`` partitions, committed under one manifest when all are done.
 
     ``check``: a JPEG that libjpeg decodes only with warnings (garbage entropy data, a
     cut scan) is skipped and counted as "corrupt image data" wherever it is decoded
@@ -74,12 +73,11 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
     lenient decoding (a damaged image is re-encoded with made-up pixels).
     ``max_pixels`` defaults to ``packio.limits.MAX_PIXELS``.
 
-    ``dst`` may not be, hold or lie inside ``src``; a lock beside it makes a second
-    conversion to the same path fail at once. ``overwrite`` replaces only a packio
-    dataset, atomically. Symlinks in ``src`` are followed only where they stay inside
-    it, unless ``follow_symlinks``; every skipped entry is counted. SIGTERM / SIGHUP
-    remove the temporary output as Ctrl-C does. ``append=True`` adds ``src`` to the folder
-    dataset ``dst`` as one more part, with its stored settings (:mod:`packio.pack.append`).
+    ``dst`` may not be, hold or lie inside ``src``; a lock beside it makes a second conversion
+    to the same path fail at once. ``overwrite`` replaces only a packio dataset, atomically.
+    Symlinks in ``src`` are followed only where they stay inside it, unless ``follow_symlinks``;
+    every skipped entry is counted. SIGTERM / SIGHUP remove the temporary output as Ctrl-C does.
+    ``append=True`` adds ``src`` to the folder dataset ``dst`` as one more part (:mod:`.append`).
     """
     options, t0 = merge_options(PackOptions, options, fields, "convert"), time.perf_counter()
     src, dst, spec, packed = check_request(src, dst, options, csv=csv, columns=columns, workers=workers, parts=parts,
@@ -88,11 +86,33 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
         if append:
             return _append(src, dst, options, packed, csv, columns, strict, follow_symlinks, workers, progress, t0)
         check_output(dst, overwrite)  # again, under the lock
+        if scheduler is not None and not packed:
+            return _split(src, dst, spec, options, csv, columns, strict, follow_symlinks, progress, scheduler, parts,
+                          overwrite, t0)
         source = _noted(open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks))
         job, fn = plan(spec, options, source, strict)
         with staged(dst, overwrite) as tmp:  # committed to dst when the block ends, removed if it fails
             part = _write(job, fn, source, tmp, workers=workers, progress=progress, scheduler=scheduler, parts=parts)
         return summarize(dst, spec.name, source.problems, part, t0)
+
+
+def _split(src: Path, dst: Path, spec: Any, options: PackOptions, csv: str | Path | None,
+           columns: dict[str, str] | None, strict: bool, follow_symlinks: bool, progress: bool | None, scheduler: Any,
+           parts: int | None, overwrite: bool, t0: float) -> Summary:
+    """An image folder packed by Dask tasks, its listing made by them too (:mod:`packio.pack.split_listing`)."""
+    client, owned = client_for(scheduler)
+    try:
+        with staged(dst, overwrite) as tmp:  # the listing spills inside: they go with it, on commit or failure
+            tmp.mkdir()
+            workers = max(1, len(client.scheduler_info().get("workers", {})))
+            source = _noted(split_source(client, src, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
+                                         spill=tmp.absolute() / SPILL, workers=workers))
+            job, fn = plan(spec, options, source, strict)
+            part = _write(job, fn, source, tmp, workers=0, progress=progress, scheduler=client, parts=parts)
+        return summarize(dst, spec.name, source.problems, part, t0)
+    finally:
+        if owned:
+            client.close()
 
 
 def _noted(source: Source) -> Source:

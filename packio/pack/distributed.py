@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from packio import census
-from packio.errors import PackioError
+from packio.errors import PackioError, SourceError
 from packio.formats import get_format
 from packio.manifest import MANIFEST_NAME, Manifest, describe_files
 from packio.pack.append import part_entry
@@ -24,8 +24,9 @@ from packio.pack.prepare import Result
 from packio.pack.report import image_facts
 from packio.pack.workers import progress_bar
 from packio.pack.write import Job, write_part
+from packio.sources.split import ListingShare
 
-__all__ = ["write_parts"]
+__all__ = ["write_parts", "client_for"]
 
 
 def _pack_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: str) -> dict[str, Any]:
@@ -36,7 +37,7 @@ def _pack_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: st
         raise PackioError(f"{final.parent}: the conversion's output is gone (cancelled); nothing written")
     tmp = temp_name(final)
     try:
-        out = write_part(job, fn, tasks, tmp)
+        out = write_part(job, fn, tasks.load() if isinstance(tasks, ListingShare) else tasks, tmp)
         fsync_tree(tmp)
     except BaseException:
         remove(tmp)
@@ -44,7 +45,7 @@ def _pack_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: st
     return {**out, "tmp": tmp.name}
 
 
-def _client(scheduler: Any) -> tuple[Any, bool]:
+def client_for(scheduler: Any) -> tuple[Any, bool]:
     """A Dask client for ``scheduler`` (an address, a Client or a cluster), and whether it is ours to close."""
     try:
         from dask.distributed import Client
@@ -74,6 +75,8 @@ def write_parts(job: Job, fn: Callable[[Any], Result], tasks: list[Any], root: P
     for r in results:
         skipped.update(r["skipped"])
         notes.update(r["notes"])
+    if job.strict and skipped:  # the listing's skips (a part's own raised in it), as one process tells them
+        raise SourceError(f"{sum(skipped.values())} inputs were skipped (--strict): ")
     dup = sum(r["duplicate_content"] for r in results)
     done = sum((Counter(r["done"]) for r in results), Counter())
     stored = sum((Counter(r["stored"]) for r in results), Counter())
@@ -99,15 +102,16 @@ def _run_parts(job: Job, fn: Callable[[Any], Result], tasks: list[Any], root: Pa
     counted; the first task error is raised and the other tasks cancelled."""
     from dask.distributed import as_completed
 
-    client, owned = _client(scheduler)
+    client, owned = client_for(scheduler)
     try:
         nworkers = max(1, len(client.scheduler_info().get("workers", {})))
         k = max(1, min(parts or 4 * nworkers, len(tasks) or 1))
         bounds = np.linspace(0, len(tasks), k + 1).astype(int)
         suffix = get_format(job.format).suffixes[0]
-        root.mkdir(parents=True)
+        root.mkdir(parents=True, exist_ok=True)  # the listing's spills may be there
         names = [f"part-{i:05d}{suffix}" for i in range(k)]
-        futures = [client.submit(_pack_part, _part_job(job, a, b), fn, tasks[a:b], str(root / name), pure=False,
+        at = Path(os.path.abspath(root))  # a worker's working folder is not this process's
+        futures = [client.submit(_pack_part, _part_job(job, a, b), fn, tasks[a:b], str(at / name), pure=False,
                                  retries=2, key=f"packio-{root.name}-{name}")
                    for (a, b), name in zip(zip(bounds[:-1], bounds[1:]), names)]
         try:

@@ -11,6 +11,7 @@ few common aliases (``image_id``, ``path``, ``category``, ...).
 from __future__ import annotations
 
 import csv
+import io
 import os
 import stat
 from array import array
@@ -24,7 +25,7 @@ from packio.errors import SourceError
 from packio.sample import is_coord
 from packio.sources.strings import Strings, StringsBuilder
 
-__all__ = ["FIELDS", "Rows", "parse_columns", "read_csv"]
+__all__ = ["FIELDS", "Rows", "parse_columns", "read_csv", "read_csv_range", "csv_header", "split_csv", "drop_duplicates"]
 
 FIELDS = ("filename", "class", "xmin", "ymin", "xmax", "ymax", "label", "width", "height")
 BOX_FIELDS = ("xmin", "ymin", "xmax", "ymax")
@@ -233,12 +234,12 @@ def _frame(w_cell: str, h_cell: str, skip: Skip, where: str) -> tuple[int, int] 
     return int(w), int(h)
 
 
-def _drop_duplicates(parser: _Parser, rows: Rows) -> Rows:
+def drop_duplicates(rows: Rows, digests: np.ndarray, skip: Skip) -> Rows:
     """Rows whose every cell repeats an earlier row's are skipped and counted (128-bit
-    digests compared in numpy: no set of rows is held)."""
+    ``digests``, one per row, compared in numpy: no set of rows is held)."""
     if not len(rows):
         return rows
-    d = parser.columns["digests"][:len(rows)]
+    d = digests[:len(rows)]
     first = np.sort(d[:, 0])  # the common case, no two rows alike, needs no order array (8 B a row less)
     if not (first[1:] == first[:-1]).any():
         return rows
@@ -256,7 +257,7 @@ def _drop_duplicates(parser: _Parser, rows: Rows) -> Rows:
                 break
             j -= 1
     for i in np.flatnonzero(dup).tolist():
-        parser.skip("duplicate CSV row", rows.where(i), "")
+        skip("duplicate CSV row", rows.where(i), "")
     return rows.take(np.flatnonzero(~dup)) if dup.any() else rows
 
 
@@ -271,25 +272,109 @@ def _bounds(fd: int) -> tuple[int, int]:
     return lines + 1, size
 
 
-def read_csv(path: Path, columns: dict[str, str], skip: Skip) -> tuple[Rows, dict[str, Any]]:
-    """Parse annotation rows (bad rows are skipped and counted, bad headers raise), and
-    facts for the manifest (which columns were used for what)."""
+def _open_checked(path: Path, mode: str = "r") -> Any:
+    """The CSV opened (text: ``newline=""``, UTF-8 with or without BOM), refusing what is no regular file."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block, /dev/zero never end
             raise SourceError(f"{path}: the CSV is not a regular file; give a file (a copy of the stream)")
-        fh = open(path, newline="", encoding="utf-8-sig")
+        return open(path, "rb") if mode == "rb" else open(path, newline="", encoding="utf-8-sig")
     except OSError as exc:
         raise SourceError(f"{path}: cannot open the CSV ({exc.strerror})") from None
-    with fh:
+
+
+def _feed(parser: _Parser, reader: Any, line0: int = 0) -> None:
+    """Every row of ``reader`` to ``parser``; its lines counted from ``line0``."""
+    for row in reader:
+        if row:  # blank lines are no rows
+            parser.add(row, reader.line_num + line0)
+            if len(parser.line) == _ROWS:
+                parser.seal()
+
+
+def read_csv(path: Path, columns: dict[str, str], skip: Skip) -> tuple[Rows, dict[str, Any]]:
+    """Parse annotation rows (bad rows are skipped and counted, bad headers raise), and
+    facts for the manifest (which columns were used for what)."""
+    rows, digests, info = read_csv_range(path, columns, skip, None)
+    return drop_duplicates(rows, digests, skip), info
+
+
+def csv_header(path: Path, columns: dict[str, str]) -> tuple[list[str], dict[str, Any]]:
+    """The CSV's header, checked as :func:`read_csv` checks it, and the facts for the manifest."""
+    with _open_checked(path) as fh:
         try:
-            reader = csv.reader(fh)
-            header = next(reader, [])
-            parser = _Parser(path, header, columns, skip, *_bounds(fh.fileno()))
-            for row in reader:
-                if row:  # blank lines are no rows
-                    parser.add(row, reader.line_num)
-                    if len(parser.line) == _ROWS:
-                        parser.seal()
+            header = next(csv.reader(fh), [])
         except (UnicodeDecodeError, csv.Error) as exc:
             raise SourceError(f"{path}: not a readable UTF-8 CSV ({exc})") from None
-    return _drop_duplicates(parser, parser.rows()), parser.info
+    return header, _Parser(path, header, columns, lambda *a: None, 1, 0).info
+
+
+def read_csv_range(path: Path, columns: dict[str, str], skip: Skip, span: tuple[int, int, int] | None
+                   ) -> tuple[Rows, np.ndarray, dict[str, Any]]:
+    """The rows of the whole CSV (``span`` None), or of bytes ``start:end`` after its header whose
+    first line is line ``line0 + 1`` (see :func:`split_csv`), with each row's 128-bit digest
+    (duplicates not dropped yet) and the manifest's facts."""
+    if span is not None:
+        header, _ = csv_header(path, columns)
+        with _open_checked(path, "rb") as f:
+            data = os.pread(f.fileno(), span[1] - span[0], span[0])
+        lines = data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n") + 1
+    with _open_checked(path) as fh:
+        try:
+            if span is None:
+                reader = csv.reader(fh)
+                header = next(reader, [])
+                parser = _Parser(path, header, columns, skip, *_bounds(fh.fileno()))
+                _feed(parser, reader)
+            else:
+                parser = _Parser(path, header, columns, skip, lines, len(data))
+                _feed(parser, csv.reader(io.StringIO(data.decode("utf-8"), newline="")), span[2])
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise SourceError(f"{path}: not a readable UTF-8 CSV ({exc})") from None
+    rows = parser.rows()
+    return rows, parser.columns["digests"][:len(rows)], parser.info
+
+
+def split_csv(path: Path, size: int) -> list[tuple[int, int, int]] | None:
+    """Byte ranges of about ``size`` after the header, each starting a line, with the lines
+    before it: (start, end, lines before start). Only for a CSV without any quote character,
+    where every line is one row (a quoted cell may hold line ends; then None: one range)."""
+    starts: list[tuple[int, int]] = []
+    lines, pos, last = 0, 0, b""
+    with _open_checked(path, "rb") as f:
+        while block := os.pread(f.fileno(), 1 << 16, pos):
+            if b'"' in block:
+                return None
+            found = _line_starts(block, pos, size, starts)
+            if found is None:
+                return None
+            for j in found:
+                starts.append((pos + j, lines + _lines(block, last, j)))
+            lines += _lines(block, last)
+            pos, last = pos + len(block), block[-1:]
+    ends = [s for s, _ in starts[1:]] + [pos]
+    return [(a, b, n) for (a, n), b in zip(starts, ends) if b > a]
+
+
+def _lines(block: bytes, last: bytes, end: int | None = None) -> int:
+    """Line ends in ``block[:end]`` (``\n``, ``\r\n`` or a lone ``\r``), ``last`` the byte before it."""
+    end = len(block) if end is None else end
+    return (block.count(b"\n", 0, end) + block.count(b"\r", 0, end) - block.count(b"\r\n", 0, end)
+            - (last == b"\r" and block[:1] == b"\n" and end > 0))
+
+
+def _line_starts(block: bytes, pos: int, size: int, starts: list[tuple[int, int]]) -> list[int] | None:
+    """Where in ``block`` (at ``pos`` in the file) new ranges start: the header's end first,
+    then the first line start at or after each ``size`` bytes past the previous start
+    (None: the header's end is not in the first block, or not plain to see)."""
+    out = []
+    if not starts:
+        k = min((k for k in (block.find(b"\n"), block.find(b"\r")) if k >= 0), default=-1)
+        if k < 0 or k + 2 >= len(block):
+            return None
+        out.append(k + 1 + (block[k:k + 2] == b"\r\n"))
+    while True:
+        prev = pos + out[-1] if out else starts[-1][0]
+        k = block.find(b"\n", max(prev + size - pos, 0))
+        if k < 0 or k + 1 >= len(block):
+            return out
+        out.append(k + 1)

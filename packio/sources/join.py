@@ -18,7 +18,7 @@ from packio.errors import SourceError
 from packio.sources.csvrows import Rows
 from packio.sources.strings import CHUNK, HashIndex, Strings
 
-__all__ = ["join"]
+__all__ = ["join", "join_stems", "stem_hashes"]
 
 Skip = Callable[[str, str, str], None]
 SEVERAL_FILES = "CSV row names several files (give the path relative to the folder)"
@@ -70,6 +70,33 @@ def _candidates(top: tuple[str, ...], root: str, name: str) -> list[str]:
     return out
 
 
+def join_stems(root: Path, names: Strings) -> np.ndarray:
+    """Per CSV name: the hash of the stem of the file names it may name (its bucket).
+
+    Why :func:`join` run apart on each bucket's files and rows (those whose stem hashes
+    match) gives the whole join's result: every step relates a row only to files or rows of
+    the same stem. An exact name and each of its candidates (the name read relative to a
+    folder above the root, an absolute path made relative) end in the same last part, so
+    the keys it can match have that base name, hence that stem. A bare name matches keys
+    whose base is the name or whose stem is it: their stem is the name's. ``_shared_bases``
+    relates rows of one base name ``B``: for ``B`` a plain name (not '', '.', '..': the
+    lexical clean-up keeps any other last part), every row with that base has candidates
+    ending in ``B``, so the bucket of ``stem(B)``; a bare '', '.' or '..' names no file
+    either way (keys have no such base, nor stem: names starting with '.' are not walked).
+    Duplicate rows hold equal names; conflicting labels are rows naming one file."""
+    top, abs_root = Path(os.path.abspath(root)).parts, os.path.abspath(root)
+    out = np.empty(len(names), np.uint64)
+    for i, name in enumerate(names):
+        found = _candidates(top, abs_root, name) if "/" in name else [name]
+        out[i] = _hash(_stem(found[0] if found else name))
+    return out
+
+
+def stem_hashes(keys: Strings) -> np.ndarray:
+    """The hash of each key's stem (for keys, what :func:`join_stems` gives names)."""
+    return np.fromiter((_hash(_stem(k)) for k in keys), np.uint64, len(keys))
+
+
 def _shared_bases(rows: Rows) -> set[str]:
     """File names the CSV gives with two or more different paths (few; kept as a set)."""
     pairs = np.stack([np.fromiter((_hash(_base(n)) for n in rows.names), np.uint64, len(rows)),
@@ -78,7 +105,6 @@ def _shared_bases(rows: Rows) -> set[str]:
     bases, counts = np.unique(distinct[:, 0], return_counts=True)
     shared = set(bases[counts > 1].tolist())
     return {_base(n) for k, n in enumerate(rows.names) if int(pairs[k, 0]) in shared} if shared else set()
-
 
 def join(root: Path, keys: Strings, rows: Rows, skip: Skip, strict: bool) -> np.ndarray:
     """Per row: the index of the file it names, -1 when skipped (and counted)."""

@@ -15,7 +15,7 @@ from packio.sources.csvrows import Rows, read_csv
 from packio.sources.join import join
 from packio.sources.names import class_name
 from packio.sources.strings import CHUNK, Strings, trim_heap
-from packio.sources.walk import Files, walk
+from packio.sources.walk import Files, Skip, walk
 
 __all__ = ["SourceItem", "Listing", "Scan", "scan_source"]
 
@@ -84,10 +84,15 @@ class Scan:
 
     def skip(self, reason: str, where: str, detail: str = "") -> None:
         self.skipped[reason] += 1
-        self.problems.append(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
+        self.problems.append(problem(reason, where, detail))
 
 
-def _sort_classes(names: set[str]) -> list[str]:
+def problem(reason: str, where: str, detail: str = "") -> str:
+    """A skip's line in the summary's problems."""
+    return f"{where}: {reason}" + (f" ({detail})" if detail else "")
+
+
+def sort_classes(names: set[str]) -> list[str]:
     """Sorted class names (in NFC: :func:`class_name`); numerically when all are integers (so '10'
     comes after '9')."""
     names = {class_name(n) for n in names}
@@ -96,11 +101,20 @@ def _sort_classes(names: set[str]) -> list[str]:
     return sorted(names)
 
 
-def _folder_names(files: Files) -> set[str]:
+def folder_names(files: Files) -> set[str]:
     """Folder names that label images: those of folders holding image files (by suffix),
     when two or more names do. A flat or single-folder source (``BCCD/JPEGImages``) has
     none, and folders without images (``Annotations/``) name none."""
-    names = {n for n, img in zip(files.folders, files.with_images) if img and n}
+    return labelling(image_folders(files))
+
+
+def image_folders(files: Files) -> set[str]:
+    """Names of the (non-root) folders holding image files."""
+    return {n for n, img in zip(files.folders, files.with_images) if img and n}
+
+
+def labelling(names: set[str]) -> set[str]:
+    """``names`` (of folders holding images), if they label images: when two or more names do."""
     return names if len({class_name(n) for n in names}) > 1 else set()
 
 
@@ -111,7 +125,7 @@ def _remap(names: list[str], index: dict[str, int]) -> np.ndarray:
     return out  # out[-1] == -1 serves id -1
 
 
-def _conflicts(rows: Rows, file_of: np.ndarray, scan: Scan, keys: Strings, strict: bool) -> np.ndarray:
+def conflicts(rows: Rows, file_of: np.ndarray, skip: Skip, keys: Strings, strict: bool) -> np.ndarray:
     """Files the CSV gives two or more labels (skipped and counted), as a bool mask over files."""
     bad = np.zeros(len(keys), bool)
     lab = np.flatnonzero((file_of >= 0) & (rows.image_label >= 0))
@@ -126,31 +140,40 @@ def _conflicts(rows: Rows, file_of: np.ndarray, scan: Scan, keys: Strings, stric
         given = sorted({rows.image_names[x] for x in rows.image_label[file_of == fi].tolist() if x >= 0})
         if strict:
             raise SourceError(f"{rows.where(first)}: the CSV gives {keys[fi]!r} several labels {given} (--strict)")
-        scan.skip("CSV gives the image several labels", rows.where(first), f"{keys[fi]}: {', '.join(given)}")
+        skip("CSV gives the image several labels", rows.where(first), f"{keys[fi]}: {', '.join(given)}")
         bad[fi] = True
     return bad
 
 
-def _image_labels(files: Files, rows: Rows, file_of: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """Image classes and each file's label: its CSV label, else its folder's name (see
-    :func:`_folder_names`), else -1."""
-    folder_names = _folder_names(files)
+def label_names(rows: Rows, file_of: np.ndarray) -> set[str]:
+    """The CSV's image labels on rows that name a file."""
     lab = np.flatnonzero((file_of >= 0) & (rows.image_label >= 0))
-    csv_names = {rows.image_names[x] for x in np.unique(rows.image_label[lab]).tolist()}
-    classes = _sort_classes(folder_names | csv_names)
+    return {rows.image_names[x] for x in np.unique(rows.image_label[lab]).tolist()}
+
+
+def box_class_names(rows: Rows, file_of: np.ndarray) -> set[str]:
+    """The CSV's box classes on rows that name a file."""
+    sel = np.flatnonzero((file_of >= 0) & rows.has_box)
+    return {rows.box_names[x] for x in np.unique(rows.box_class[sel]).tolist() if x >= 0}
+
+
+def image_labels(files: Files, rows: Rows, file_of: np.ndarray, named: set[str],
+                 classes: list[str]) -> np.ndarray:
+    """Each file's label: its CSV label, else its folder's name (one of ``folder_names``,
+    see :func:`folder_names`), else -1."""
     index = {c: i for i, c in enumerate(classes)}
-    per_folder = np.asarray([index.get(class_name(n), -1) if n in folder_names else -1 for n in files.folders]
+    lab = np.flatnonzero((file_of >= 0) & (rows.image_label >= 0))
+    per_folder = np.asarray([index.get(class_name(n), -1) if n in named else -1 for n in files.folders]
                             + [-1], np.int64)
     labels = per_folder[files.folder].astype(np.int32) if len(files.folder) else np.zeros(0, np.int32)
     labels[file_of[lab]] = _remap(rows.image_names, index)[rows.image_label[lab]]
-    return classes, labels
+    return labels
 
 
-def _box_columns(rows: Rows, file_of: np.ndarray, keep: np.ndarray) -> tuple[list[str], tuple[np.ndarray, ...]]:
-    """Box classes, and (offsets, boxes, box labels, frames) of the kept files, in CSV row order per file."""
+def box_columns(rows: Rows, file_of: np.ndarray, keep: np.ndarray,
+                box_classes: list[str]) -> tuple[np.ndarray, ...]:
+    """(offsets, boxes, box labels, frames) of the kept files, in CSV row order per file."""
     sel = np.flatnonzero((file_of >= 0) & rows.has_box)
-    names = {rows.box_names[x] for x in np.unique(rows.box_class[sel]).tolist() if x >= 0}
-    box_classes = _sort_classes(names)
     sel = sel[keep[file_of[sel]]]
     of = file_of[sel]
     if len(of) > 1 and (of[1:] < of[:-1]).any():  # rows not in file order (in order, as usual: no sort)
@@ -160,8 +183,8 @@ def _box_columns(rows: Rows, file_of: np.ndarray, keep: np.ndarray) -> tuple[lis
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     box_map = _remap(rows.box_names, {c: i for i, c in enumerate(box_classes)})
-    return box_classes, (offsets, rows.boxes[sel], box_map[rows.box_class[sel]],
-                         None if rows.frames is None else rows.frames[sel])
+    return (offsets, rows.boxes[sel], box_map[rows.box_class[sel]],
+            None if rows.frames is None else rows.frames[sel])
 
 
 def _csv_rows(root: Path, csv_path: Path, columns: dict[str, str], files: Files, scan: Scan,
@@ -201,11 +224,14 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
     else:
         rows, file_of = Rows.empty(), np.zeros(0, np.int64)
     rows.names = Strings.of([])  # the file names are no longer needed: their memory goes before the columns are made
-    bad = _conflicts(rows, file_of, scan, files.keys, strict)
-    scan.classes, labels = _image_labels(files, rows, file_of)
+    bad = conflicts(rows, file_of, scan.skip, files.keys, strict)
+    named = folder_names(files)
+    scan.classes = sort_classes(named | label_names(rows, file_of))
+    labels = image_labels(files, rows, file_of, named, scan.classes)
     keep = ~bad
-    scan.box_classes, (offsets, boxes, box_labels, frames) = _box_columns(rows, file_of, keep)
-    scan.info.update({"files": len(files.keys), "csv_rows": len(rows), "images_with_rows": _named(file_of, keep)})
+    scan.box_classes = sort_classes(box_class_names(rows, file_of))
+    offsets, boxes, box_labels, frames = box_columns(rows, file_of, keep, scan.box_classes)
+    scan.info.update({"files": len(files.keys), "csv_rows": len(rows), "images_with_rows": named_files(file_of, keep)})
     del rows, file_of
     trim_heap()  # the CSV's columns and the join's tables go before the listing's last columns are made
     if bad.any():
@@ -223,7 +249,7 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
     return scan
 
 
-def _named(file_of: np.ndarray, keep: np.ndarray) -> int:
+def named_files(file_of: np.ndarray, keep: np.ndarray) -> int:
     """How many files a CSV row names (1 B a file; -1, no file, lands in the extra last slot)."""
     named = np.zeros(len(keep) + 1, bool)
     named[file_of] = True

@@ -48,6 +48,15 @@ class Strings:
             b.append(s)
         return b.build()
 
+    @classmethod
+    def concat(cls, parts: list["Strings"]) -> "Strings":
+        """The strings of ``parts``, one after another."""
+        if not parts:
+            return cls.of([])
+        ends = np.cumsum([0] + [int(p.offsets[-1]) for p in parts[:-1]])
+        return cls(np.concatenate([p.data for p in parts]).astype(np.uint8, copy=False),
+                   np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + e for p, e in zip(parts, ends)]))
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

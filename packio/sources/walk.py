@@ -14,11 +14,12 @@ import numpy as np
 from packio.errors import SourceError
 from packio.sources.strings import CHUNK, Strings, StringsBuilder
 
-__all__ = ["Files", "walk", "PATH_MAX", "IMAGE_SUFFIXES"]
+__all__ = ["Files", "walk", "walk_part", "PATH_MAX", "IMAGE_SUFFIXES"]
 
 PATH_MAX = 4096  # bytes: longer paths cannot be opened by name on Linux
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp")
 Skip = Callable[[str, str, str], None]  # (reason, where, detail)
+Start = tuple[str, str, frozenset[tuple[int, int]]]  # (key prefix, folder, the folders above it)
 
 
 @dataclass
@@ -68,11 +69,14 @@ class _Walk:
         self.folders: list[str] = []
         self.with_images: list[bool] = []
 
-    def run(self) -> Files:
+    def run(self, starts: list[Start] | None = None) -> Files:
         # (key prefix, folder, the folders above it): a followed link to one of those is a loop
-        stack: list[tuple[str, str, frozenset[tuple[int, int]]]] = [("", str(self.root), frozenset())]
+        stack: list[Start] = list(reversed(starts or [("", str(self.root), frozenset())]))
         while stack:
             stack.extend(reversed(self.folder(*stack.pop())))
+        return self.files()
+
+    def files(self) -> Files:
         return Files(self.keys.build(), np.frombuffer(self.folder_of, np.int32).copy() if len(self.folder_of)
                      else np.zeros(0, np.int32), self.folders, self.with_images)
 
@@ -169,6 +173,17 @@ def walk(root: Path, skip: Skip, exclude: set[str], follow_symlinks: bool = Fals
     ``follow_symlinks`` (inside ``root`` its files are listed under their own path already).
     Every entry left out is told to ``skip``. Iterative: no depth limit."""
     return _Walk(root, skip, exclude, follow_symlinks).run()
+
+
+def walk_part(root: Path, skip: Skip, exclude: set[str], follow_symlinks: bool, starts: list[Start],
+              recursive: bool) -> tuple[Files, list[Start]]:
+    """What :func:`walk` lists from ``starts`` (sibling folders, as the walk reaches them): their
+    whole subtrees (``recursive``), or one folder's own files and its sub-folders to walk."""
+    w = _Walk(root, skip, exclude, follow_symlinks)
+    if recursive:
+        return w.run(starts), []
+    subfolders = w.folder(*starts[0])
+    return w.files(), subfolders
 
 
 def _files_below(folder: str, name: str) -> list[str]:
