@@ -122,7 +122,7 @@ def _room(s: Sample) -> np.ndarray | None:
     if isinstance(s.payload, np.ndarray) or h <= 0 or w <= 0 or h * w > limits.MAX_PIXELS:
         return None
     try:
-        return np.empty((h, w, 3), np.uint8)
+        return dec.pixel_room(h, w)
     except MemoryError:
         return None
 
