@@ -326,3 +326,58 @@ def test_decoded_pixels_start_16_bytes_past_a_32_byte_boundary(tmp_path, context
             assert torch.equal(b["image"][j], truth[i])
             seen.append(i)
     assert sorted(seen) == list(range(len(ds)))
+
+
+def test_scratch_decodes_share_one_buffer_per_thread_and_keep_the_pixels(monkeypatch):
+    """``decode(scratch=True)`` (the full-size image a resized batch row is made from) goes
+    into one buffer per thread: the same pixels as a fresh decode, no new ~0.5 MB array per
+    image, another thread's decode never lands in it, and an image over the cap gets its own."""
+    import threading
+
+    from conftest import jpeg
+
+    from packio import decode as dec
+
+    a, b = jpeg(40, 48, seed=1), jpeg(32, 56, seed=2)
+    got_a = dec.decode(a, scratch=True)
+    assert np.array_equal(got_a, dec.decode(a))
+    got_b = dec.decode(b, scratch=True, min_size=(8, 8))
+    assert np.array_equal(got_b, dec.decode(b, min_size=(8, 8)))
+    assert np.shares_memory(got_a, got_b)  # the second decode reused the first one's room
+    assert got_a.ctypes.data % 32 == 16  # placed as pixel_room places pixels (non-temporal stores otherwise)
+    other: list[np.ndarray] = []
+    t = threading.Thread(target=lambda: other.append(dec.decode(a, scratch=True)))
+    t.start()
+    t.join()
+    assert np.array_equal(other[0], dec.decode(a)) and not np.shares_memory(other[0], got_b)
+    monkeypatch.setattr(dec, "_SCRATCH_MAX", 40 * 48 * 3 - 1)
+    big = dec.decode(a, scratch=True)
+    assert np.array_equal(big, dec.decode(a)) and not np.shares_memory(big, got_b)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_resized_batches_never_hand_out_the_decode_scratch(tmp_path, threads):
+    """A resized batch's rows are made from the threads' scratch decodes: a kept batch and a
+    ``ds[i]`` image hold none of that memory, and stay equal to fresh reads after more batches."""
+    from packio import decode as dec
+
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    from conftest import jpeg
+
+    for k in range(12):
+        (src / "a" / f"i{k}.jpg").write_bytes(jpeg(30 + k, 50 - k, seed=k))
+    packio.convert(src, tmp_path / "d.lmdb", progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", resize=(16, 20), threads=threads)
+    kept = ds.__getitems__(list(range(6)))
+    one = ds[7]["image"]
+    copy, one_copy = kept.image.clone(), one.clone()
+    for _ in range(3):
+        ds.__getitems__(list(range(6, 12)))
+        ds.__getitems__(list(range(12)))
+    assert torch.equal(kept.image, copy) and torch.equal(one, one_copy)
+    fresh = packio.open_dataset(tmp_path / "d.lmdb", resize=(16, 20))
+    for j in range(6):
+        assert torch.equal(kept.image[j], fresh[j]["image"])
+    scratch = getattr(dec._SCRATCH, "buf", None)
+    assert scratch is not None and not np.shares_memory(kept.image.numpy(), scratch)
