@@ -340,3 +340,33 @@ def test_walk_is_split_into_chunks(client, tmp_path, monkeypatch):
     monkeypatch.setattr(sl, "_walk", spy)
     _same(client, tmp_path, tmp_path / "src", None)
     assert len(seen) > 4 and sum(seen) == 12 and max(seen) < 12, seen
+
+
+def test_failed_conversion_leaves_no_spill(tmp_path, monkeypatch):
+    """A listing task still running when the conversion fails (Dask cannot stop it) does not
+    make the removed temporary output again for its spill."""
+    import threading
+    import time
+
+    from packio.sources import split
+
+    for c in "abcd":
+        _write(tmp_path / "src", f"{c}/0.jpg", 0)
+    real, slow_done = split.walk_part, threading.Event()
+
+    def walk_part(root, skip, exclude, follow, start, recursive):
+        if start[0] == "b/":
+            raise packio.SourceError("b: gone")  # one chunk fails while another still runs
+        if start[0] == "a/":
+            time.sleep(0.5)
+            slow_done.set()
+        return real(root, skip, exclude, follow, start, recursive)
+
+    monkeypatch.setattr(split, "walk_part", walk_part)  # threads: the tasks see it
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as c, distributed.Client(c) as client:
+        with pytest.raises(packio.SourceError, match="b: gone"):
+            packio.convert(tmp_path / "src", tmp_path / "out.lmdb", scheduler=client, progress=False)
+        assert slow_done.wait(10)
+        time.sleep(0.3)  # the slow task's spill, if it were written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from packio.errors import SourceError
+from packio.errors import PackioError, SourceError
 from packio.sources.csvrows import Rows, drop_duplicates, read_csv_range
 from packio.sources.join import join, join_stems, stem_hashes
 from packio.sources.listing import (Listing, box_class_names, box_columns, conflicts, image_folders, image_labels,
@@ -56,7 +56,11 @@ class Skips:
 def _save(path: str, arrays: dict[str, np.ndarray]) -> None:
     """``arrays`` as ``path/NAME.npy``, made under a temporary name (a retried task writes it again)."""
     tmp = f"{path}.{os.getpid()}-{id(arrays):x}.tmp"
-    os.makedirs(tmp)
+    try:
+        os.mkdir(tmp)  # not makedirs: a task still running when its conversion failed must not make it again
+    except FileNotFoundError:
+        raise PackioError(f"{os.path.dirname(path)}: the conversion's output is gone (cancelled); nothing written") \
+            from None
     for name, a in arrays.items():
         np.save(os.path.join(tmp, name + ".npy"), np.ascontiguousarray(a), allow_pickle=False)
     if os.path.isdir(path):  # an earlier attempt's, the same
