@@ -370,3 +370,28 @@ def test_failed_conversion_leaves_no_spill(tmp_path, monkeypatch):
         assert slow_done.wait(10)
         time.sleep(0.3)  # the slow task's spill, if it were written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_csv_replaced_during_the_listing_fails(client, tmp_path, monkeypatch):
+    """A CSV replaced after it was split into byte ranges: its ranges would start inside rows
+    of the new one (a cut row labels a file that neither CSV labels), so the range tasks fail."""
+    import packio.pack.split_listing as sl
+
+    src = tmp_path / "src"
+    for k in range(6):
+        _write(src, f"a/{k}.jpg", k)
+        _write(src, f"b/x{k}.jpg", k)
+    csv = tmp_path / "a.csv"
+    csv.write_text("filename,label\n" + "".join(f"a/{k}.jpg,cat\n" for k in range(12)))
+    real = sl.split_csv
+
+    def split_then_replace(path, size):
+        spans = real(path, size)
+        (tmp_path / "new.csv").write_text("filename,label\n" + "".join(f"dog,b/x{k}.jpg,dog\n" for k in range(6)))
+        os.replace(tmp_path / "new.csv", path)
+        return spans
+
+    monkeypatch.setattr(sl, "split_csv", split_then_replace)
+    with pytest.raises(packio.SourceError, match="the CSV changed during the conversion"):
+        packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False, scheduler=client)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "src"]

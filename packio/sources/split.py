@@ -29,7 +29,7 @@ from packio.sources.listing import (Listing, box_class_names, box_columns, confl
 from packio.sources.strings import Strings
 from packio.sources.walk import Files, Start, walk_part
 
-__all__ = ["Skips", "walk_chunk", "read_range", "join_bucket", "finish_chunk", "ListingShare"]
+__all__ = ["Skips", "walk_chunk", "csv_stamp", "read_range", "join_bucket", "finish_chunk", "ListingShare"]
 
 _ROWS = ("line", "image_label", "has_box", "boxes", "box_class")
 
@@ -128,11 +128,26 @@ def walk_chunk(root: str, exclude: list[str], follow: bool, start: Start, recurs
     return skips.result(count=len(files.keys), image_folders=image_folders(files), subfolders=subfolders)
 
 
+def csv_stamp(csv: str) -> tuple[int, ...]:
+    """What tells that the CSV changed: its identity, size and modification time."""
+    try:
+        st = os.stat(csv)
+    except OSError as exc:
+        raise SourceError(f"{csv}: cannot open the CSV ({exc.strerror})") from None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def read_range(root: str, csv: str, columns: dict[str, str], span: tuple[int, int, int] | None,
-               out: str) -> dict[str, Any]:
-    """Step 1: the CSV's rows in ``span`` (see ``csvrows.read_csv_range``), spilled to ``out`` by bucket."""
+               stamp: tuple[int, ...], out: str) -> dict[str, Any]:
+    """Step 1: the CSV's rows in ``span`` (see ``csvrows.read_csv_range``), spilled to ``out`` by
+    bucket; ``stamp`` (``csv_stamp`` when the CSV was split) must hold before and after the read:
+    a range of a CSV replaced or edited since is no range of rows."""
     skips = Skips()
+    if csv_stamp(csv) != tuple(stamp):
+        raise SourceError(f"{csv}: the CSV changed during the conversion; run it again once the CSV is written")
     rows, digests, _ = read_csv_range(Path(csv), columns, skips.skip, span)
+    if csv_stamp(csv) != tuple(stamp):
+        raise SourceError(f"{csv}: the CSV changed during the conversion; run it again once the CSV is written")
     arrays = {name: getattr(rows, name) for name in _ROWS}
     if rows.frames is not None:
         arrays["frames"] = rows.frames
