@@ -57,7 +57,7 @@ def _walk(client: Any, root: Path, exclude: list[str], follow: bool, spill: Path
     todo = [((), ("", str(root), frozenset()), True)]
     for depth in range(4):
         paths = [str(spill / f"walk-{depth}-{k}") for k in range(len(todo))]
-        results = _gather(client, [_submit(client, split.walk_chunk, str(root), exclude, follow, start, not expand, p)
+        results = _gather(client, [_submit(client, split.walk_chunk, str(root), exclude, follow, start, expand, p)
                                    for (_, start, expand), p in zip(todo, paths)])
         nxt = []
         for (order, _, expand), path, r in zip(todo, paths, results):
