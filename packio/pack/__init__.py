@@ -106,7 +106,7 @@ def _split(src: Path, dst: Path, spec: Any, options: PackOptions, csv: str | Pat
             tmp.mkdir()
             workers = max(1, len(client.scheduler_info().get("workers", {})))
             source = _noted(split_source(client, src, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
-                                         spill=tmp / SPILL, workers=workers))
+                                         spill=tmp.absolute() / SPILL, workers=workers))
             job, fn = plan(spec, options, source, strict)
             part = _write(job, fn, source, tmp, workers=0, progress=progress, scheduler=client, parts=parts)
         return summarize(dst, spec.name, source.problems, part, t0)

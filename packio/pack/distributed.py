@@ -110,7 +110,8 @@ def _run_parts(job: Job, fn: Callable[[Any], Result], tasks: list[Any], root: Pa
         suffix = get_format(job.format).suffixes[0]
         root.mkdir(parents=True, exist_ok=True)  # the listing's spills may be there
         names = [f"part-{i:05d}{suffix}" for i in range(k)]
-        futures = [client.submit(_pack_part, _part_job(job, a, b), fn, tasks[a:b], str(root / name), pure=False,
+        at = Path(os.path.abspath(root))  # a worker's working folder is not this process's
+        futures = [client.submit(_pack_part, _part_job(job, a, b), fn, tasks[a:b], str(at / name), pure=False,
                                  retries=2, key=f"packio-{root.name}-{name}")
                    for (a, b), name in zip(zip(bounds[:-1], bounds[1:]), names)]
         try:

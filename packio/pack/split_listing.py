@@ -9,11 +9,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from packio import census
 from packio.errors import SourceError
 from packio.pack.plan import Source
 from packio.sources import split
 from packio.sources.csvrows import csv_header, split_csv
 from packio.sources.listing import UNLABELLED, labelling, sort_classes
+from packio.sources.walk import Start
 
 __all__ = ["split_source", "SplitListing"]
 
@@ -52,22 +54,33 @@ def _submit(client: Any, fn: Any, *args: Any) -> Any:
 def _walk(client: Any, root: Path, exclude: list[str], follow: bool, spill: Path,
           target: int) -> list[tuple[str, dict[str, Any]]]:
     """The walk's chunks in its order: (spill, result). A folder is listed alone (its own files,
-    its sub-folders left as chunks of their own) while there are fewer than ``target`` chunks."""
+    its sub-folders left as chunks of their own) while there are fewer than ``target`` chunks;
+    then sibling sub-folders are walked whole, a few to a chunk (about ``target`` chunks)."""
     done: list[tuple[tuple[int, ...], str, dict[str, Any]]] = []
-    todo = [((), ("", str(root), frozenset()), True)]
+    todo: list[tuple[tuple[int, ...], list[Start], bool]] = [((), [("", str(root), frozenset())], True)]
     for depth in range(4):
         paths = [str(spill / f"walk-{depth}-{k}") for k in range(len(todo))]
-        results = _gather(client, [_submit(client, split.walk_chunk, str(root), exclude, follow, start, expand, p)
-                                   for (_, start, expand), p in zip(todo, paths)])
-        nxt = []
+        results = _gather(client, [_submit(client, split.walk_chunk, str(root), exclude, follow, starts, not expand,
+                                           p) for (_, starts, expand), p in zip(todo, paths)])
+        below = []  # per folder listed alone: its order and its sub-folders
         for (order, _, expand), path, r in zip(todo, paths, results):
             done.append((order + (0,) if expand else order, path, r))
-            nxt += [(order + (j + 1,), s) for j, s in enumerate(r.pop("subfolders"))]
-        expand = len(done) + len(nxt) < target and depth < 2
-        todo = [(order, start, expand) for order, start in nxt]
+            below.append((order, r.pop("subfolders")))
+        todo = _next(below, len(done), target, depth < 2)
         if not todo:
             break
     return [(path, r) for _, path, r in sorted(done, key=lambda d: d[0])]
+
+
+def _next(below: list[tuple[tuple[int, ...], list[Start]]], chunks: int, target: int,
+          deeper: bool) -> list[tuple[tuple[int, ...], list[Start], bool]]:
+    """The next round's walk tasks: each sub-folder listed alone, or runs of siblings walked whole
+    (never runs across two parents: the parent's next sibling's own files come between)."""
+    total = sum(len(subs) for _, subs in below)
+    if deeper and chunks + total < target:
+        return [(order + (j + 1,), [s], True) for order, subs in below for j, s in enumerate(subs)]
+    size = max(1, -(-total // max(1, target)))
+    return [(order + (j + 1,), subs[j:j + size], False) for order, subs in below for j in range(0, len(subs), size)]
 
 
 def _read(client: Any, root: Path, csv: str | None, columns: dict[str, str], spill: Path) -> list[Any]:
@@ -112,16 +125,17 @@ def split_source(client: Any, root: Path, csv: str | Path | None, columns: dict[
     spill.mkdir()
     columns = columns or {}
     info = dict(csv_header(Path(csv), columns)[1]) if csv else {}
-    ranges = _read(client, root, str(csv) if csv else None, columns, spill)
-    walked = _walk(client, root, [os.path.abspath(csv)] if csv else [], follow_symlinks, spill,
-                   CHUNKS_PER_WORKER * workers)
+    # the tasks get absolute paths: a worker's working folder is not this process's
+    at, csv_at = Path(os.path.abspath(root)), os.path.abspath(csv) if csv else None
+    ranges = _read(client, at, csv_at, columns, spill)
+    walked = _walk(client, at, [csv_at] if csv_at else [], follow_symlinks, spill, CHUNKS_PER_WORKER * workers)
     read = _gather(client, ranges)
     skipped: Counter[str] = Counter()
     problems: list[str] = []
     _merge([r for _, r in walked] + read, skipped, problems)
     rows, files = sum(r["rows"] for r in read), sum(r["count"] for _, r in walked)
-    frames = bool(info.get("csv_columns", {}).get("width")) and bool(info["csv_columns"].get("height"))
-    joined = _join(client, root, csv and str(csv), strict, spill, [p for p, _ in walked],
+    frames = any(r["frames"] for r in read)  # the CSV has width and height columns
+    joined = _join(client, at, csv_at, strict, spill, [p for p, _ in walked],
                    [str(spill / f"csv-{k}") for k in range(len(read))], rows, files, frames)
     _merge(joined, skipped, problems)
     named, kept_rows = sum(r["named"] for r in joined), sum(r["rows"] for r in joined)
@@ -133,18 +147,18 @@ def split_source(client: Any, root: Path, csv: str | Path | None, columns: dict[
     folders = labelling(set().union(*(r["image_folders"] for _, r in walked)))
     classes = sort_classes(folders | set().union(*(r["labels"] for r in joined)))
     box_classes = sort_classes(set().union(*(r["box_classes"] for r in joined)))
-    finished = _gather(client, [_submit(client, split.finish_chunk, str(root), str(csv or ""), c, path,
+    finished = _gather(client, [_submit(client, split.finish_chunk, str(at), csv_at or "", c, path,
                                         [r["path"] for r in joined], folders, classes, box_classes, frames,
                                         str(spill / f"list-{c}")) for c, (path, _) in enumerate(walked)])
     info.update({"files": files, "csv_rows": kept_rows, "images_with_rows": named})
-    return _source(root, csv, info, finished, spill, classes, box_classes, skipped, problems)
+    return _source(root, csv, info, SplitListing(str(at), [(str(spill / f"list-{c}"), r["count"]) for c, r in
+                                                         enumerate(finished)]), finished, classes, box_classes,
+                   skipped, problems)
 
 
-def _source(root: Path, csv: str | Path | None, info: dict[str, Any], finished: list[dict[str, Any]], spill: Path,
-            classes: list[str], box_classes: list[str], skipped: Counter[str], problems: list[str]) -> Source:
-    from packio import census
-
-    listing = SplitListing(str(root), [(str(spill / f"list-{c}"), r["count"]) for c, r in enumerate(finished)])
+def _source(root: Path, csv: str | Path | None, info: dict[str, Any], listing: SplitListing,
+            finished: list[dict[str, Any]], classes: list[str], box_classes: list[str], skipped: Counter[str],
+            problems: list[str]) -> Source:
     notes: Counter[str] = Counter()
     unlabelled = sum(r["unlabelled"] for r in finished)
     if unlabelled and (unlabelled < len(listing) or info.get("csv_labels", {}).get("images")):

@@ -2,8 +2,8 @@
 step writing its share to a spill folder: whoever drives them holds a few numbers per
 chunk, never the listing. The steps give the same listing as ``scan_source``:
 
-1. ``walk_chunk``: one chunk of the walk (a folder's own files, or a whole subtree),
-   in the walk's order; ``read_range``: the rows of one byte range of the CSV.
+1. ``walk_chunk``: one chunk of the walk (a folder's own files, or the whole subtrees of
+   a run of sibling folders), in the walk's order; ``read_range``: one byte range of the CSV.
 2. ``join_bucket``: files and rows whose stems hash into one bucket, joined as
    ``scan_source`` joins them all (why that gives the same result: ``join.join_stems``).
 3. ``finish_chunk``: a chunk's listing columns, with the class lists merged from 2.
@@ -29,7 +29,7 @@ from packio.sources.listing import (Listing, box_class_names, box_columns, confl
 from packio.sources.strings import Strings
 from packio.sources.walk import Files, Start, walk_part
 
-__all__ = ["Skips", "walk_chunk", "csv_stamp", "read_range", "join_bucket", "finish_chunk", "ListingShare"]
+__all__ = ["Skips", "walk_chunk", "csv_stamp", "read_range", "join_bucket", "finish_chunk", "ListingShare", "share"]
 
 _ROWS = ("line", "image_label", "has_box", "boxes", "box_class")
 
@@ -40,7 +40,6 @@ class Skips:
     def __init__(self) -> None:
         self.skipped: Counter[str] = Counter()
         self.problems: list[str] = []
-
         self.lines: list[int] = []  # of the CSV rows skipped, in order
 
     def skip(self, reason: str, where: str, detail: str = "") -> None:
@@ -117,12 +116,12 @@ def _by_hash(hashes: np.ndarray, **columns: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def walk_chunk(root: str, exclude: list[str], follow: bool, start: Start, recursive: bool,
+def walk_chunk(root: str, exclude: list[str], follow: bool, starts: list[Start], recursive: bool,
                out: str) -> dict[str, Any]:
-    """Step 1: the walk from ``start`` (see ``walk.walk_part``), spilled to ``out``; returns
+    """Step 1: the walk from ``starts`` (see ``walk.walk_part``), spilled to ``out``; returns
     its counts, skips, the names of its folders holding images and the sub-folders left to walk."""
     skips = Skips()
-    files, subfolders = walk_part(Path(root), skips.skip, set(exclude), follow, start, recursive)
+    files, subfolders = walk_part(Path(root), skips.skip, set(exclude), follow, starts, recursive)
     _save(out, {**_strings("keys", files.keys), "folder": files.folder, **_strings("folders", Strings.of(
         files.folders)), **_by_hash(stem_hashes(files.keys), bkeys=files.keys)})
     return skips.result(count=len(files.keys), image_folders=image_folders(files), subfolders=subfolders)
@@ -154,7 +153,7 @@ def read_range(root: str, csv: str, columns: dict[str, str], span: tuple[int, in
     _save(out, {**_by_hash(join_stems(Path(root), rows.names), **arrays, names=rows.names, digests=digests),
                 **_strings("image_names", Strings.of(rows.image_names)),
                 **_strings("box_names", Strings.of(rows.box_names))})
-    return skips.result(rows=len(rows), first=rows.names[0] if len(rows) else None)
+    return skips.result(rows=len(rows), first=rows.names[0] if len(rows) else None, frames=rows.frames is not None)
 
 
 def _take_rows(spill: _Spill, lo: int, hi: int, path: str) -> tuple[Rows, np.ndarray]:
@@ -185,16 +184,15 @@ def _merge_rows(parts: list[Rows], path: str, frames: bool) -> Rows:
 
 
 def _bucket_keys(chunks: list[str], b: int, nb: int) -> tuple[Strings, np.ndarray, np.ndarray]:
-    """The keys of bucket ``b`` from every chunk's spill (in walk order), with each key's chunk and place in it."""
+    """The keys of bucket ``b`` from every chunk's spill, with each key's chunk and place in it
+    (their order changes no result of the join: a row's hits are one file, or several)."""
     keys, chunk, place = [], [], []
     for c, path in enumerate(chunks):
         spill = _Spill(path)
         lo, hi = _bucket_range(spill, "hashes", b, nb)
-        pos = np.asarray(spill["pos"][lo:hi])
-        order = np.argsort(pos, kind="stable")
-        keys.append(spill.strings("bkeys", lo, hi).take(order))
-        chunk.append(np.full(len(pos), c, np.int64))
-        place.append(pos[order])
+        keys.append(spill.strings("bkeys", lo, hi))
+        chunk.append(np.full(hi - lo, c, np.int64))
+        place.append(np.asarray(spill["pos"][lo:hi]))
     return Strings.concat(keys), np.concatenate(chunk or [np.zeros(0, np.int64)]), \
         np.concatenate(place or [np.zeros(0, np.int64)])
 

@@ -69,9 +69,9 @@ class _Walk:
         self.folders: list[str] = []
         self.with_images: list[bool] = []
 
-    def run(self, start: Start | None = None) -> Files:
+    def run(self, starts: list[Start] | None = None) -> Files:
         # (key prefix, folder, the folders above it): a followed link to one of those is a loop
-        stack: list[Start] = [start or ("", str(self.root), frozenset())]
+        stack: list[Start] = list(reversed(starts or [("", str(self.root), frozenset())]))
         while stack:
             stack.extend(reversed(self.folder(*stack.pop())))
         return self.files()
@@ -175,14 +175,14 @@ def walk(root: Path, skip: Skip, exclude: set[str], follow_symlinks: bool = Fals
     return _Walk(root, skip, exclude, follow_symlinks).run()
 
 
-def walk_part(root: Path, skip: Skip, exclude: set[str], follow_symlinks: bool, start: Start,
+def walk_part(root: Path, skip: Skip, exclude: set[str], follow_symlinks: bool, starts: list[Start],
               recursive: bool) -> tuple[Files, list[Start]]:
-    """What :func:`walk` lists from ``start`` (one of its folders, as the walk reaches it):
-    the whole subtree (``recursive``), or that folder's own files and its sub-folders to walk."""
+    """What :func:`walk` lists from ``starts`` (sibling folders, as the walk reaches them): their
+    whole subtrees (``recursive``), or one folder's own files and its sub-folders to walk."""
     w = _Walk(root, skip, exclude, follow_symlinks)
     if recursive:
-        return w.run(start), []
-    subfolders = w.folder(*start)
+        return w.run(starts), []
+    subfolders = w.folder(*starts[0])
     return w.files(), subfolders
 
 
