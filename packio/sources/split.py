@@ -58,8 +58,8 @@ def _save(path: str, arrays: dict[str, np.ndarray]) -> None:
     try:
         os.mkdir(tmp)  # not makedirs: a task still running when its conversion failed must not make it again
     except FileNotFoundError:
-        raise PackioError(f"{os.path.dirname(path)}: the conversion's output is gone (cancelled); nothing written") \
-            from None
+        raise PackioError(f"{os.path.dirname(path)}: the conversion's temporary output is not there (cancelled, or "
+                          f"on a filesystem this Dask worker does not share with the driver); nothing written") from None
     for name, a in arrays.items():
         np.save(os.path.join(tmp, name + ".npy"), np.ascontiguousarray(a), allow_pickle=False)
     if os.path.isdir(path):  # an earlier attempt's, the same
