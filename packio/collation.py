@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import default_collate, get_worker_info
+from torch.utils.data import get_worker_info
 
-__all__ = ["Batch", "Ragged", "ragged", "batch_buffer", "item", "stack_images", "unpack", "collate"]
+__all__ = ["Batch", "Ragged", "ragged", "item", "stack_images", "unpack", "collate"]
 
 Item = dict[str, Any]
 
@@ -44,22 +44,6 @@ def ragged(parts: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor
         return list(parts)
     r = Ragged.of(parts)
     return r if packed else r.split()
-
-
-def batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
-    """A fresh ``uint8`` buffer for one batch, never reused. In a DataLoader worker it is
-    made in shared memory: sending the batch to the main process then passes its
-    descriptor, where a private buffer is copied into a new segment first (one more
-    copy of the batch and its page faults, ~2,300 per 64 images of 224 px).
-
-    Made by torch's ``default_collate``, which in a worker stacks into a new shared
-    segment (here a broadcast zero: a fill, no read): the public route to one.
-    ``torch.empty(...).share_memory_()`` copies the empty buffer into the segment
-    (measured: 8.5 vs 7.8 ms per such batch, buffer costs only, main + workers).
-    Anywhere else, or should torch stop doing so, it is a plain fresh tensor."""
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    return default_collate([torch.zeros((), dtype=torch.uint8).expand(shape)])[0]
 
 
 def item(image: Any, label: int, boxes: torch.Tensor, box_labels: torch.Tensor, key: str, index: int) -> Item:
