@@ -4,7 +4,7 @@ The CSV is parsed once here, at pack time; readers never see it again. What each
 module does: ``walk`` lists the folder, ``csvrows`` parses the CSV, ``join`` finds
 the file each row names, ``listing`` assembles the columns the converter packs,
 ``files`` reads one image and places its boxes, ``strings`` holds many strings in
-one buffer.
+one buffer; ``split`` makes the same listing in steps that run apart (Dask tasks).
 """
 
 from packio.sources.csvrows import FIELDS, parse_columns
