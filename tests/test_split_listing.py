@@ -468,29 +468,36 @@ def test_failed_conversion_leaves_no_spill(tmp_path, monkeypatch):
     """A listing task still running when the conversion fails (Dask cannot stop it) does not
     make the removed temporary output again for its spill."""
     import threading
-    import time
 
     from packio.sources import split
 
     for c in "abcd":
         _write(tmp_path / "src", f"{c}/0.jpg", 0)
-    real, slow_done = split.walk_part, threading.Event()
+    real_walk, real_save = split.walk_part, split._save
+    failed, saved = threading.Event(), threading.Event()
 
     def walk_part(root, skip, exclude, follow, starts, recursive):
         if "b/" in [s[0] for s in starts]:
             raise packio.SourceError("b: gone")  # one chunk fails while another still runs
         if "a/" in [s[0] for s in starts]:
-            time.sleep(0.5)
-            slow_done.set()
-        return real(root, skip, exclude, follow, starts, recursive)
+            assert failed.wait(30)  # goes on once the conversion has failed and removed its output
+        return real_walk(root, skip, exclude, follow, starts, recursive)
+
+    def save(path, arrays):
+        try:
+            real_save(path, arrays)
+        finally:
+            if failed.is_set():
+                saved.set()
 
     monkeypatch.setattr(split, "walk_part", walk_part)  # threads: the tasks see it
+    monkeypatch.setattr(split, "_save", save)
     with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0",
                                   silence_logs=50) as c, distributed.Client(c) as client:
         with pytest.raises(packio.SourceError, match="b: gone"):
             packio.convert(tmp_path / "src", tmp_path / "out.lmdb", scheduler=client, progress=False)
-        assert slow_done.wait(10)
-        time.sleep(0.3)  # the slow task's spill, if it were written
+        failed.set()
+        assert saved.wait(30)  # the slow task tried to spill
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
