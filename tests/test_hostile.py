@@ -693,3 +693,17 @@ def test_check_decode_from_the_command_line(damaged_folder, tmp_path, capsys):
     out = capsys.readouterr()
     assert "packed 1 samples" in out.out and "2  corrupt image data" in out.out, out
     assert packio.open_dataset(tmp_path / "o.lmdb").reader.manifest.image["check"] == "decode"
+
+
+def test_disk_full_at_the_lmdb_open_is_a_clean_error(tmp_path):
+    """A disk too full for LMDB's first pages: lmdb.open itself fails (was a raw lmdb.Error)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(jpeg(16, 16, 1))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-c", DISK_FULL.replace("3 << 20", "3000"), str(src),
+                           str(out / "o.lmdb"), "fsize"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "partial output was removed" in proc.stderr, proc.stderr[-2000:]
+    assert list(out.iterdir()) == []

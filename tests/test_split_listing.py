@@ -462,3 +462,65 @@ def test_driver_killed_after_the_listing_leaves_nothing(client, tmp_path):
     assert s.packed == 6 and not list(tmp_path.glob(".out.lmdb.packio-tmp-*"))
     assert {p.name for p in dst.iterdir()} == {"packio.json"} | {x["path"] for x in
                                                                   packio.open_reader(dst).manifest.extra["parts"]}
+
+
+def test_failed_conversion_leaves_no_spill(tmp_path, monkeypatch):
+    """A listing task still running when the conversion fails (Dask cannot stop it) does not
+    make the removed temporary output again for its spill."""
+    import threading
+
+    from packio.sources import split
+
+    for c in "abcd":
+        _write(tmp_path / "src", f"{c}/0.jpg", 0)
+    real_walk, real_save = split.walk_part, split._save
+    failed, saved = threading.Event(), threading.Event()
+
+    def walk_part(root, skip, exclude, follow, starts, recursive):
+        if "b/" in [s[0] for s in starts]:
+            raise packio.SourceError("b: gone")  # one chunk fails while another still runs
+        if "a/" in [s[0] for s in starts]:
+            assert failed.wait(30)  # goes on once the conversion has failed and removed its output
+        return real_walk(root, skip, exclude, follow, starts, recursive)
+
+    def save(path, arrays):
+        try:
+            real_save(path, arrays)
+        finally:
+            if failed.is_set():
+                saved.set()
+
+    monkeypatch.setattr(split, "walk_part", walk_part)  # threads: the tasks see it
+    monkeypatch.setattr(split, "_save", save)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as c, distributed.Client(c) as client:
+        with pytest.raises(packio.SourceError, match="b: gone"):
+            packio.convert(tmp_path / "src", tmp_path / "out.lmdb", scheduler=client, progress=False)
+        failed.set()
+        assert saved.wait(30)  # the slow task tried to spill
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_csv_replaced_during_the_listing_fails(client, tmp_path, monkeypatch):
+    """A CSV replaced after it was split into byte ranges: its ranges would start inside rows
+    of the new one (a cut row labels a file that neither CSV labels), so the range tasks fail."""
+    import packio.pack.split_listing as sl
+
+    src = tmp_path / "src"
+    for k in range(6):
+        _write(src, f"a/{k}.jpg", k)
+        _write(src, f"b/x{k}.jpg", k)
+    csv = tmp_path / "a.csv"
+    csv.write_text("filename,label\n" + "".join(f"a/{k}.jpg,cat\n" for k in range(12)))
+    real = sl.split_csv
+
+    def split_then_replace(path, size):
+        spans = real(path, size)
+        (tmp_path / "new.csv").write_text("filename,label\n" + "".join(f"dog,b/x{k}.jpg,dog\n" for k in range(6)))
+        os.replace(tmp_path / "new.csv", path)
+        return spans
+
+    monkeypatch.setattr(sl, "split_csv", split_then_replace)
+    with pytest.raises(packio.SourceError, match="the CSV changed during the conversion"):
+        packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False, scheduler=client)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "src"]

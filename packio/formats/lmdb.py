@@ -37,10 +37,13 @@ class LMDBWriter(Writer):
         super().__init__(path, options)
         path.mkdir(parents=True)
         self._map_size = 1 << 30  # virtual only: data.mdb grows with what is written; doubled when full
-        self._env = lmdb.open(str(path), map_size=self._map_size, subdir=True, sync=False,
-                              metasync=False, readahead=False, meminit=False, max_dbs=0)
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
+        try:  # a disk too full for LMDB's lock and meta pages fails here
+            self._env = lmdb.open(str(path), map_size=self._map_size, subdir=True, sync=False,
+                                  metasync=False, readahead=False, meminit=False, max_dbs=0)
+        except lmdb.Error as exc:
+            raise self._write_error(exc) from None
         self._data_fd = os.open(path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)  # finds LMDB's map of it
 
     def add(self, sample: Sample) -> None:

@@ -87,8 +87,9 @@ def _read(client: Any, root: Path, csv: str | None, columns: dict[str, str], spi
     """Futures of the CSV's range tasks (one task: a CSV that may hold quoted line ends)."""
     if not csv:
         return []
+    stamp = split.csv_stamp(csv)  # before the split: a CSV changed since fails the range tasks
     spans = split_csv(Path(csv), RANGE_BYTES) or [None]
-    return [_submit(client, split.read_range, str(root), str(csv), columns, span, str(spill / f"csv-{k}"))
+    return [_submit(client, split.read_range, str(root), str(csv), columns, span, stamp, str(spill / f"csv-{k}"))
             for k, span in enumerate(spans)]
 
 

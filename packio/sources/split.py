@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from packio.errors import SourceError
+from packio.errors import PackioError, SourceError
 from packio.sources.csvrows import Rows, drop_duplicates, read_csv_range
 from packio.sources.join import join, join_stems, stem_hashes
 from packio.sources.listing import (Listing, box_class_names, box_columns, conflicts, image_folders, image_labels,
@@ -29,7 +29,7 @@ from packio.sources.listing import (Listing, box_class_names, box_columns, confl
 from packio.sources.strings import Strings
 from packio.sources.walk import Files, Start, walk_part
 
-__all__ = ["Skips", "walk_chunk", "read_range", "join_bucket", "finish_chunk", "ListingShare", "share"]
+__all__ = ["Skips", "walk_chunk", "csv_stamp", "read_range", "join_bucket", "finish_chunk", "ListingShare", "share"]
 
 _ROWS = ("line", "image_label", "has_box", "boxes", "box_class")
 
@@ -55,7 +55,11 @@ class Skips:
 def _save(path: str, arrays: dict[str, np.ndarray]) -> None:
     """``arrays`` as ``path/NAME.npy``, made under a temporary name (a retried task writes it again)."""
     tmp = f"{path}.{os.getpid()}-{id(arrays):x}.tmp"
-    os.makedirs(tmp)
+    try:
+        os.mkdir(tmp)  # not makedirs: a task still running when its conversion failed must not make it again
+    except FileNotFoundError:
+        raise PackioError(f"{os.path.dirname(path)}: the conversion's temporary output is not there (cancelled, or "
+                          f"on a filesystem this Dask worker does not share with the driver); nothing written") from None
     for name, a in arrays.items():
         np.save(os.path.join(tmp, name + ".npy"), np.ascontiguousarray(a), allow_pickle=False)
     if os.path.isdir(path):  # an earlier attempt's, the same
@@ -123,11 +127,26 @@ def walk_chunk(root: str, exclude: list[str], follow: bool, starts: list[Start],
     return skips.result(count=len(files.keys), image_folders=image_folders(files), subfolders=subfolders)
 
 
+def csv_stamp(csv: str) -> tuple[int, ...]:
+    """What tells that the CSV changed: its identity, size and modification time."""
+    try:
+        st = os.stat(csv)
+    except OSError as exc:
+        raise SourceError(f"{csv}: cannot open the CSV ({exc.strerror})") from None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def read_range(root: str, csv: str, columns: dict[str, str], span: tuple[int, int, int] | None,
-               out: str) -> dict[str, Any]:
-    """Step 1: the CSV's rows in ``span`` (see ``csvrows.read_csv_range``), spilled to ``out`` by bucket."""
+               stamp: tuple[int, ...], out: str) -> dict[str, Any]:
+    """Step 1: the CSV's rows in ``span`` (see ``csvrows.read_csv_range``), spilled to ``out`` by
+    bucket; ``stamp`` (``csv_stamp`` when the CSV was split) must hold before and after the read:
+    a range of a CSV replaced or edited since is no range of rows."""
     skips = Skips()
+    if csv_stamp(csv) != tuple(stamp):
+        raise SourceError(f"{csv}: the CSV changed during the conversion; run it again once the CSV is written")
     rows, digests, _ = read_csv_range(Path(csv), columns, skips.skip, span)
+    if csv_stamp(csv) != tuple(stamp):
+        raise SourceError(f"{csv}: the CSV changed during the conversion; run it again once the CSV is written")
     arrays = {name: getattr(rows, name) for name in _ROWS}
     if rows.frames is not None:
         arrays["frames"] = rows.frames
