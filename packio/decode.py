@@ -11,7 +11,6 @@ import ctypes
 import functools
 import io
 import struct
-import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -263,7 +262,7 @@ JPEG_ONLY = ("simplejpeg", "turbojpeg")  # backends that read JPEG alone
 
 def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[int, int] | None = None,
            apply_exif: bool = False, strict: bool = False, max_pixels: int | None = None,
-           out: np.ndarray | None = None, scratch: bool = False) -> np.ndarray:
+           out: np.ndarray | None = None) -> np.ndarray:
     """Decode to ``uint8[H, W, 3]`` RGB (grayscale and CMYK become RGB).
 
     ``min_size=(h, w)`` lets libjpeg-turbo decode at 1/2, 1/4 or 1/8 scale when the
@@ -278,9 +277,6 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
     into ``out`` with no separate header check when ``out`` is within ``max_pixels``
     (simplejpeg refuses an image larger than ``out``, so ``out`` bounds it); a larger
     ``out`` does not lift the limit: the header is checked first.
-    ``scratch``: simplejpeg may decode into this thread's scratch buffer, so the result
-    is only valid until this thread's next ``scratch`` decode: for an image that is
-    resized straight away and never handed out.
     Raises ``ValueError`` when no backend can decode the bytes.
     """
     if out is not None and out.dtype == np.uint8 and data[:3] == b"\xff\xd8\xff" \
@@ -295,8 +291,7 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
     enc = sniff(data)
     if enc not in ("jpeg", "png", "bmp", "webp"):
         raise ValueError(f"not a JPEG, PNG, BMP or WebP image ({enc or 'unknown type'})")
-    w, h = image_size(data, enc)
-    check_pixels(w, h, max_pixels)
+    check_pixels(*image_size(data, enc), max_pixels)
     order = [backend] if backend != "auto" else ["simplejpeg", "cv2", "pil"]
     if enc != "jpeg" and backend in ("auto", *JPEG_ONLY):
         order = ["cv2", "pil"]  # a JPEG-only backend asked for: PNG / WebP / BMP samples still need a reader
@@ -304,8 +299,7 @@ def decode(data: bytes | memoryview, *, backend: str = "auto", min_size: tuple[i
         order = ["cv2", "pil"]  # simplejpeg does not read EXIF orientation
         if strict:
             _simplejpeg(data, True, {"min_factor": 8})  # the lenient decoders below cannot tell damage
-    room = w * h * 3 if scratch and w * h * 3 <= _SCRATCH_MAX else 0  # a huge image: its own array, not kept
-    img = _first_decoded(data, order, min_size, apply_exif, strict, out, room)
+    img = _first_decoded(data, order, min_size, apply_exif, strict, out)
     if out is None or img is out or img.shape != out.shape:
         return img
     np.copyto(out, img)
@@ -325,26 +319,9 @@ def _simplejpeg_into(data: bytes | memoryview, strict: bool, out: np.ndarray) ->
     return out if img.shape == out.shape else img.copy()
 
 
-_SCRATCH = threading.local()
-_SCRATCH_MAX = 24 << 20  # bytes a thread may keep: an 8 MP RGB image
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's scratch buffer for full-size decodes that are resized at once, at
-    least ``nbytes`` long (grown, never shrunk). A fresh ~0.5 MB array per image cost page
-    faults in the decode threads, whose malloc arenas give freed memory back."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.size < nbytes:
-        raw = np.empty(nbytes + OUT_SLACK, np.uint8)  # placed at 16 mod 32, as pixel_room's
-        at = out_offset(raw.ctypes.data)
-        buf = _SCRATCH.buf = raw[at:at + nbytes]
-    return buf
-
-
 def _first_decoded(data: bytes | memoryview, order: list[str], min_size: tuple[int, int] | None,
-                   apply_exif: bool, strict: bool, out: np.ndarray | None, scratch: int = 0) -> np.ndarray:
-    """The pixels from the first backend in ``order`` that decodes ``data`` (header checked);
-    ``scratch``: the full-size image's bytes, when simplejpeg may decode into :func:`_scratch`."""
+                   apply_exif: bool, strict: bool, out: np.ndarray | None) -> np.ndarray:
+    """The pixels from the first backend in ``order`` that decodes ``data`` (header checked)."""
     errors: list[str] = []
     for name in order:
         try:
@@ -352,8 +329,6 @@ def _first_decoded(data: bytes | memoryview, order: list[str], min_size: tuple[i
                 kw: dict[str, Any] = {}
                 if min_size is not None:
                     kw = {"min_height": min_size[0], "min_width": min_size[1], "min_factor": 2}
-                if scratch:  # the header's size bounds any scaled decode (simplejpeg checks the room)
-                    kw["buffer"] = _scratch(scratch)
                 return _simplejpeg(data, strict, kw)
             if name == "turbojpeg":
                 tj = _turbojpeg()

@@ -123,18 +123,17 @@ def verify(s: Sample) -> None:
 
 
 def pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, strict: bool = False,
-           out: np.ndarray | None = None, scratch: bool = False) -> np.ndarray:
+           out: np.ndarray | None = None) -> np.ndarray:
     """``uint8[H, W, 3]`` of a stored sample (raw payloads are pixels already); ``strict``:
     libjpeg's "corrupt data" warnings are errors too. ``out``: the pixels go there when
-    they have its shape (and ``out`` is returned), else they come back on their own.
-    ``scratch``: they may be in this thread's scratch buffer (see :func:`packio.decode.decode`)."""
+    they have its shape (and ``out`` is returned), else they come back on their own."""
     if isinstance(s.payload, np.ndarray):
         if out is None or out.shape != s.payload.shape:
             return s.payload
         np.copyto(out, s.payload)
         return out
     try:
-        return dec.decode(s.payload, backend=backend, min_size=min_size, strict=strict, out=out, scratch=scratch)
+        return dec.decode(s.payload, backend=backend, min_size=min_size, strict=strict, out=out)
     except ValueError as exc:
         raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
 
@@ -205,9 +204,8 @@ class Decoder:
             raw = isinstance(s.payload, np.ndarray)
             return (chw(s.payload) if raw else s.payload), geo.as_boxes(s.boxes)
         # strict: libjpeg's warnings are damage, never made-up pixels
-        if self.size is not None:  # into a batch row: the full-size image is a scratch, never handed out
-            img = dec.resize(pixels(s, self.backend, self.size, strict=True, scratch=out is not None), self.size,
-                             out=out)
+        if self.size is not None:
+            img = dec.resize(pixels(s, self.backend, self.size, strict=True), self.size, out=out)
         else:
             img = pixels(s, self.backend, None, strict=True, out=_room(s) if out is None else out)
         image = None
