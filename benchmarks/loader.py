@@ -174,17 +174,7 @@ def w1cpu(argv: list[str]) -> int:
     a.src = a.csv = None
     path = _w1_dataset(a)
     cases = _w1cpu_cases(path, a.count)
-    for run in cases.values():  # warm-up: page cache, page tables, decode threads
-        run()
-    figures: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
-
-    def timed(name: str) -> Callable[[], float]:
-        def one() -> float:
-            figures[name].append(_cpu_per_sample(cases[name], a.seconds))
-            return figures[name][-1][0]
-        return one
-    interleaved({k: timed(k) for k in cases}, a.rounds)
-    med = {k: [median(f[j] for f in v) for j in range(3)] for k, v in figures.items()}
+    med = _cpu_medians(cases, a.seconds, a.rounds)
     l1 = med["L1 (same bytes, 1 process)"][0]
     table(("run", "CPU µs/sample", "main thread µs/sample", "wall µs/sample", "L1 CPU ÷ CPU", "CPU − L1 µs/sample",
            "busy cores (quiet machine only)"),
@@ -349,6 +339,23 @@ def _w2cpu_cases(path: str, pad: bool) -> dict[str, Callable[[], int]]:
             "packio nw=0": loader(1), "packio nw=0 threads=2": loader(2)}
 
 
+def _cpu_medians(cases: dict[str, Callable[[], Any]], seconds: float, rounds: int) -> dict[str, list[float]]:
+    """Per case, the medians over interleaved rounds of (CPU, main-thread CPU, wall) µs per
+    sample (see ``_cpu_per_sample``), after one warm-up run of each (page cache, page tables,
+    threads, pools)."""
+    for run in cases.values():
+        run()
+    figures: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
+
+    def timed(name: str) -> Callable[[], float]:
+        def one() -> float:
+            figures[name].append(_cpu_per_sample(cases[name], seconds))
+            return figures[name][-1][0]
+        return one
+    interleaved({k: timed(k) for k in cases}, rounds)
+    return {k: [median(f[j] for f in v) for j in range(3)] for k, v in figures.items()}
+
+
 def _cpu_per_sample(epoch: Callable[[], int], seconds: float) -> tuple[float, float, float]:
     """(process CPU, main-thread CPU, wall) µs per sample of repeated epochs, for ``seconds`` of CPU."""
     n, p0, t0, w0 = 0, time.process_time(), time.thread_time(), time.perf_counter()
@@ -375,17 +382,7 @@ def w2cpu(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     tmp, a.path = _arrays_dataset(a.path, "packio-w2cpu-")
     cases = _w2cpu_cases(a.path, not a.no_pad)
-    for run in cases.values():  # warm-up: page cache, this process' page tables, pools
-        run()
-    figures: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
-
-    def timed(name: str) -> Callable[[], float]:
-        def one() -> float:
-            figures[name].append(_cpu_per_sample(cases[name], a.seconds))
-            return figures[name][-1][0]
-        return one
-    interleaved({k: timed(k) for k in cases}, a.rounds)
-    med = {k: [median(f[j] for f in v) for j in range(3)] for k, v in figures.items()}
+    med = _cpu_medians(cases, a.seconds, a.rounds)
     l2 = med["L2 (memcpy, reused buffer)"]
     table(("run", "CPU µs/sample", "main thread µs/sample", "wall µs/sample", "L2 ÷ CPU", "L2 ÷ main thread",
            "L2 ÷ wall (quiet machine only)"),
