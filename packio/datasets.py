@@ -48,7 +48,8 @@ class PackedDataset(Dataset):
     ``(h, w)`` squashes to that shape after decode, aspect not kept (boxes follow). Handles open lazily in each
     process, so it works in DataLoader workers under any start method.
     ``on_error="skip"`` returns ``None`` for a corrupt sample (``packio.collate`` drops it).
-    ``threads=N`` decodes each batch with N threads in whichever process reads it.
+    ``threads=N`` decodes each batch with N threads in whichever process reads it
+    (default: torch's own CPU thread count there; see :class:`packio.DecodeOptions`).
     ``__getitems__`` (what torch's DataLoader calls with a batch's indices) returns
     the batch, read in one go, as a list-like of sample dicts, so any collate function
     works; ``packio.collate`` hands its one-shape images on without a copy.

@@ -59,19 +59,29 @@ class DecodeThreads:
     the GIL): ``count - 1`` pool threads and the calling thread itself pull the next
     index from one shared counter, so there is one task per thread per batch (not a
     future per sample), no thread waits while work is left, and the caller is never
-    idle. A forked or unpickled copy makes its own pool."""
+    idle. ``count=None``: as many as torch's own CPU threads (``torch.get_num_threads()``,
+    asked at each batch): every core it may use in a training process, one in a
+    DataLoader worker (torch sets 1 there), ``OMP_NUM_THREADS`` where a launcher set it.
+    A forked or unpickled copy makes its own pool."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int | None) -> None:
         self.count = count
-        self._pool: tuple[int, Any] | None = None
+        self._pool: tuple[int, int, Any] | None = None
+
+    def size(self) -> int:
+        """The threads a batch is shared by now (1: the calling thread alone)."""
+        return max(1, torch.get_num_threads() if self.count is None else self.count)
 
     def map(self, fn: Callable[[int], Any], n: int) -> list[Any]:
-        if self.count <= 1 or n <= 1:
+        count = self.size()
+        if count <= 1 or n <= 1:
             return [fn(j) for j in range(n)]
-        if self._pool is None or self._pool[0] != os.getpid():
+        if self._pool is None or self._pool[:2] != (os.getpid(), count):
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = (os.getpid(), ThreadPoolExecutor(self.count - 1, thread_name_prefix="packio-decode"))
+            if self._pool is not None and self._pool[0] == os.getpid():
+                self._pool[2].shutdown(wait=False)  # torch's thread count changed: a pool of the new size
+            self._pool = (os.getpid(), count, ThreadPoolExecutor(count - 1, thread_name_prefix="packio-decode"))
         out: list[Any] = [None] * n
         todo = iter(range(n))  # next() on it is atomic under the GIL: each index goes to one thread
 
@@ -79,7 +89,7 @@ class DecodeThreads:
             for j in todo:
                 out[j] = fn(j)
 
-        helpers = [self._pool[1].submit(drain) for _ in range(min(self.count, n) - 1)]
+        helpers = [self._pool[2].submit(drain) for _ in range(min(count, n) - 1)]
         try:
             drain()
         finally:
@@ -301,19 +311,24 @@ class Items:
         self.options = options
         self.errors = ErrorPolicy(options.on_error)
         self.decoder = Decoder(options)
-        self.pool = DecodeThreads(options.threads)
+        self.pool = self._threads(options.threads)
         self.reader: Reader = open_reader(path)
         if format_name and self.reader.manifest.format != format_name:
             raise FormatError(f"{path} holds the {self.reader.manifest.format!r} format, not {format_name!r}; "
                               f"use packio.open_dataset() to open any format")
 
     @property
-    def threads(self) -> int:
+    def threads(self) -> int | None:
         return self.pool.count
 
     @threads.setter
-    def threads(self, n: int) -> None:
-        self.pool = DecodeThreads(n)
+    def threads(self, n: int | None) -> None:
+        self.pool = self._threads(n)
+
+    def _threads(self, n: int | None) -> DecodeThreads:
+        """``n`` decode threads; by default one with a transform, which may draw random
+        numbers: it then sees the samples in order, on one thread."""
+        return DecodeThreads(1 if n is None and self.options.transform is not None else n)
 
     @property
     def _stored_shape(self) -> tuple[int, int] | None:
@@ -350,7 +365,7 @@ class Items:
     def _samples(self, idx: np.ndarray) -> Callable[[int], Sample | PackioError]:
         """Sample ``j`` of the batch, each read on its own (a bad one is its error)."""
         reader = self.reader
-        if self.pool.count > 1 and type(reader).read_many is Reader.read_many:
+        if self.pool.size() > 1 and type(reader).read_many is Reader.read_many:
             # A reader that reads sample by sample: each decode thread reads its own
             # sample (one at a time, under a lock), so reading overlaps the other
             # threads' decoding instead of holding them all up before the batch starts.

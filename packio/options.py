@@ -89,7 +89,10 @@ class DecodeOptions:
     ``uint8`` image. ``backend``: ``"auto"`` or one of
     ``packio.decode.available_backends()``. ``on_error="skip"`` hands out ``None``
     for a corrupt sample. ``verify`` checks each sample's checksum (and decodes
-    JPEGs strictly). ``threads=N`` decodes each batch with N threads.
+    JPEGs strictly). ``threads=N`` decodes each batch with N threads; the default
+    (``None``) uses as many as torch's own CPU threads (``torch.get_num_threads()``:
+    the cores in a training process, 1 in a DataLoader worker), or 1 with a
+    ``transform`` (which then sees the samples in order, on one thread).
     """
 
     decode: bool = True
@@ -98,7 +101,7 @@ class DecodeOptions:
     backend: str = "auto"
     on_error: str = "raise"
     verify: bool = False
-    threads: int = 0
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         from packio import decode as dec
@@ -113,7 +116,8 @@ class DecodeOptions:
         if self.backend != "auto" and self.backend not in dec.available_backends():
             # checked here: at decode time it would read as a corrupt sample, every sample
             raise ValueError(f"backend must be 'auto' or one of {dec.available_backends()}, not {self.backend!r}")
-        object.__setattr__(self, "threads", check_int("threads", self.threads, 0))
+        if self.threads is not None:
+            object.__setattr__(self, "threads", check_int("threads", self.threads, 0))
         size = _output_size(self.resize)
         if size is not None:
             dec.check_pixels(size[1], size[0])  # ValueError: the resize target is the user's

@@ -326,3 +326,49 @@ def test_decoded_pixels_start_16_bytes_past_a_32_byte_boundary(tmp_path, context
             assert torch.equal(b["image"][j], truth[i])
             seen.append(i)
     assert sorted(seen) == list(range(len(ds)))
+
+
+def _decoding_threads(ds, monkeypatch) -> set[str]:
+    """Names of the threads that decoded one batch of ``ds``."""
+    import threading
+    import time
+
+    from packio import decode as dec
+
+    names: set[str] = set()
+    real = dec.resize
+
+    def resize(*a, **kw):
+        names.add(threading.current_thread().name)
+        time.sleep(0.02)  # long enough for every pool thread to take a sample
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dec, "resize", resize)
+    ds.__getitems__(list(range(len(ds))))
+    return names
+
+
+def test_default_threads_follow_torch(gen_folder_once, tmp_path, monkeypatch):
+    """By default a batch is decoded on as many threads as torch's own CPU ops use (the
+    training process's cores; 1 in a DataLoader worker, where torch sets 1); explicit
+    ``threads`` wins, and a transform keeps one thread (its random draws stay in sample order)."""
+    src, csv = gen_folder_once
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        ds = packio.open_dataset(tmp_path / "d.lmdb", resize=16)
+        names = _decoding_threads(ds, monkeypatch)
+        assert len(names) == 3 and sum(n.startswith("packio-decode") for n in names) == 2
+        assert ds.items.pool._pool[1] == 3
+        torch.set_num_threads(1)  # as in a DataLoader worker
+        assert _decoding_threads(ds, monkeypatch) == {"MainThread"}
+        torch.set_num_threads(3)
+        assert _decoding_threads(packio.open_dataset(tmp_path / "d.lmdb", resize=16, threads=0), monkeypatch) \
+            == {"MainThread"}
+        seq = packio.open_dataset(tmp_path / "d.lmdb", resize=16, transform=lambda x: x)
+        assert _decoding_threads(seq, monkeypatch) == {"MainThread"}
+        assert packio.open_dataset(tmp_path / "d.lmdb", resize=16, transform=lambda x: x, threads=2).items.pool.size() == 2
+    finally:
+        torch.set_num_threads(before)
+

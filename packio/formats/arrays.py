@@ -201,7 +201,7 @@ class ArrayReader(Reader):
         self._h_guard.check()  # the maps still hold what their headers claim
         flat = self._h_flat
         out = np.empty((len(idx), *flat.shape[1:]), np.uint8)
-        k = min(threads.count, len(idx)) if threads is not None else 1
+        k = min(threads.size(), len(idx)) if threads is not None else 1
         if k <= 1:
             _copy_rows(flat, idx, out)
         else:  # numpy copies without the GIL: one core does not reach the memory bandwidth (benchmarks/loader.py w2)
