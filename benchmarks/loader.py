@@ -232,7 +232,25 @@ def _w2_copies(arr: Any) -> dict[str, Callable[[], int]]:
         for idx in runs_of:
             np.take(flat, idx, axis=0, out=block, mode="clip")
         return len(starts) * BATCH
-    return {"L2": l2, "copy batch: memcpy": memcpy_runs, "copy batch: np.take": take_runs}
+
+    def take_in_turn() -> int:
+        """As a loop that keeps the batch it was handed while the next is made must be fed:
+        never into the buffer it holds (the peers harness's L2 batch64 reuses one buffer,
+        which may stay in the last-level cache)."""
+        two = [block, np.empty_like(block)]
+        for k, idx in enumerate(runs_of):
+            np.take(flat, idx, axis=0, out=two[k % 2], mode="clip")
+        return len(starts) * BATCH
+
+    def take_fresh() -> int:  # a fresh block per batch, the last one held (packio's read_batch)
+        held = None
+        for idx in runs_of:
+            out = np.empty_like(block)
+            np.take(flat, idx, axis=0, out=out, mode="clip")
+            held = out  # noqa: F841
+        return len(starts) * BATCH
+    return {"L2": l2, "copy batch: memcpy": memcpy_runs, "copy batch: np.take": take_runs,
+            "copy batch: np.take, 2 blocks in turn": take_in_turn, "copy batch: np.take, fresh block": take_fresh}
 
 
 def _arrays_dataset(path: str | None, prefix: str) -> tuple[tempfile.TemporaryDirectory, str]:
