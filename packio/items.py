@@ -89,7 +89,12 @@ class DecodeThreads:
             for j in todo:
                 out[j] = fn(j)
 
-        helpers = [self._pool[2].submit(drain) for _ in range(min(count, n) - 1)]
+        helpers = []
+        for _ in range(min(count, n) - 1):
+            try:
+                helpers.append(self._pool[2].submit(drain))
+            except RuntimeError:  # the interpreter is exiting (its main thread ended): this thread does the rest
+                break
         try:
             drain()
         finally:
