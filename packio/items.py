@@ -86,8 +86,13 @@ class DecodeThreads:
         todo = iter(range(n))  # next() on it is atomic under the GIL: each index goes to one thread
 
         def drain() -> None:
-            for j in todo:
-                out[j] = fn(j)
+            try:
+                for j in todo:
+                    out[j] = fn(j)
+            except BaseException:  # the batch fails (Ctrl-C, an error): no thread takes another sample
+                for _ in todo:
+                    pass
+                raise
 
         helpers = []
         for _ in range(min(count, n) - 1):
