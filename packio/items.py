@@ -86,10 +86,20 @@ class DecodeThreads:
         todo = iter(range(n))  # next() on it is atomic under the GIL: each index goes to one thread
 
         def drain() -> None:
-            for j in todo:
-                out[j] = fn(j)
+            try:
+                for j in todo:
+                    out[j] = fn(j)
+            except BaseException:  # the batch fails (Ctrl-C, an error): no thread takes another sample
+                for _ in todo:
+                    pass
+                raise
 
-        helpers = [self._pool[2].submit(drain) for _ in range(min(count, n) - 1)]
+        helpers = []
+        for _ in range(min(count, n) - 1):
+            try:
+                helpers.append(self._pool[2].submit(drain))
+            except RuntimeError:  # the interpreter is exiting (its main thread ended): this thread does the rest
+                break
         try:
             drain()
         finally:

@@ -372,3 +372,72 @@ def test_default_threads_follow_torch(gen_folder_once, tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(before)
 
+
+
+_AFTER_MAIN_CHILD = """
+import atexit, sys, threading, time
+import packio, torch
+torch.set_num_threads(2)
+ds = packio.open_dataset(sys.argv[1], resize=16)
+atexit.register(lambda: print("ATEXIT", len(ds.__getitems__(list(range(len(ds))))), flush=True))
+
+
+def train():
+    while threading.main_thread().is_alive():  # until the main thread has ended: the interpreter is exiting
+        time.sleep(0.01)
+    print("THREAD", len(ds.__getitems__(list(range(len(ds))))), flush=True)
+
+
+threading.Thread(target=train).start()
+"""
+
+
+def test_batches_read_while_the_interpreter_exits(gen_folder_once, tmp_path):
+    """A training loop in a (non-daemon) thread that runs on after the main thread ended,
+    and an atexit handler, read batches: the decode threads can start no more work then
+    (concurrent.futures refuses it), so the calling thread decodes the batch itself
+    (before: RuntimeError "cannot schedule new futures after interpreter shutdown")."""
+    src, csv = gen_folder_once
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    n = len(packio.open_dataset(tmp_path / "d.lmdb"))
+    proc = subprocess.run([sys.executable, "-c", _AFTER_MAIN_CHILD, str(tmp_path / "d.lmdb")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.split() == ["THREAD", str(n), "ATEXIT", str(n)], proc.stderr[-1500:]
+
+
+_INTERRUPT_CHILD = """
+import os, signal, sys, time
+import packio, torch
+from packio import decode as dec
+torch.set_num_threads(2)
+ds = packio.open_dataset(sys.argv[1], resize=16)
+real, calls = dec.resize, []
+
+
+def slow(*a, **kw):
+    calls.append(time.monotonic())
+    if len(calls) == 6:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, mid-batch
+    time.sleep(0.05)
+    return real(*a, **kw)
+
+
+dec.resize = slow
+try:
+    ds.__getitems__([i % len(ds) for i in range(200)])
+except KeyboardInterrupt:
+    print("INTERRUPTED", len(calls))
+"""
+
+
+def test_ctrl_c_mid_batch_stops_the_decode_threads(gen_folder_once, tmp_path):
+    """Ctrl-C while a batch is decoded on the default threads: the other threads take no
+    further sample, so the interrupt surfaces at once (before: the pool thread decoded
+    the rest of the batch alone first, 190 of 200 samples here, twice the batch's time)."""
+    src, csv = gen_folder_once
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_CHILD, str(tmp_path / "d.lmdb")], capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout.split()
+    assert out[:1] == ["INTERRUPTED"], proc.stderr[-1500:]
+    assert int(out[1]) <= 9  # the 6 started before the interrupt, and at most what was in flight then

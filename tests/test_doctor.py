@@ -312,3 +312,20 @@ def test_offline_verdict_keeps_up_or_says_how_long_it_waits_and_what_to_do():
 def test_layout_chart_uses_a_log_axis_when_rates_span_decades():
     assert report.log_axis([137.0, 900.0, 2500.0, 19000.0]) and not report.log_axis([800.0, 1200.0, 2500.0])
     assert not report.log_axis([5000.0]) and not report.log_axis([0.0, 10.0])
+
+
+def test_reader_lines_read_with_the_threads_measured(gen_folder_once, tmp_path, monkeypatch):
+    """The doctor's reader lines read as the settings ``packio.tune`` measured: a pick of
+    ``threads=0`` with no workers (the calling thread alone) says so, since the default
+    now decodes on torch's CPU threads; with workers, or any other count, as before."""
+    from packio.doctor.candidates import reader_lines
+
+    src, csv = gen_folder_once
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    monkeypatch.chdir(tmp_path)
+    for settings, want in [({"num_workers": 0, "threads": 0}, 0), ({"num_workers": 0, "threads": 2}, 2),
+                           ({"num_workers": 2, "prefetch_factor": 2, "persistent_workers": True, "threads": 0}, None)]:
+        ns = {"packio": packio}
+        exec("\n".join(reader_lines("d.lmdb", 64, 8, settings)), ns)
+        assert ns["ds"].items.threads == want, (settings, reader_lines("d.lmdb", 64, 8, settings))
+        assert {k: getattr(ns["loader"], k) for k in ("num_workers",)} == {"num_workers": settings["num_workers"]}

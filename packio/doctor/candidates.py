@@ -191,8 +191,9 @@ def reader_lines(path: str, resize: int | None, batch_size: int, settings: dict[
     ds_args = [repr(path)]
     if resize is not None:
         ds_args.append(f"resize={resize}")
-    if settings.get("threads"):
-        ds_args.append(f"threads={settings['threads']}")
+    threads = settings.get("threads")
+    if threads or (threads == 0 and not settings.get("num_workers")):  # 0 in this process: not the default
+        ds_args.append(f"threads={threads}")
     dl = [f"batch_size={batch_size}", "shuffle=True"]
     dl += [f"{k}={v!r}" for k, v in settings.items() if k != "threads"]
     return [f"ds = packio.open_dataset({', '.join(ds_args)})",
