@@ -54,34 +54,45 @@ class ErrorPolicy:
         return None
 
 
+_helpers: tuple[int, int, Any] | None = None  # (pid, threads, executor): this process's decode helpers
+
+
+def _helper_pool(count: int) -> Any:
+    """This process's one pool of decode helper threads, at least ``count`` of them, shared
+    by every dataset (a ``packio.mix`` of ten sources holds one pool, not ten; it only
+    grows). A forked child makes its own: the parent's threads are not in it."""
+    global _helpers
+    now = _helpers
+    if now is None or now[0] != os.getpid() or now[1] < count:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _helpers = (os.getpid(), count, ThreadPoolExecutor(count, thread_name_prefix="packio-decode"))
+        if now is not None and now[0] == os.getpid():
+            now[2].shutdown(wait=False)  # what it holds still runs; new work goes to the larger pool
+    return _helpers[2]
+
+
 class DecodeThreads:
-    """``count`` threads per process decode a batch (libjpeg-turbo and OpenCV release
-    the GIL): ``count - 1`` pool threads and the calling thread itself pull the next
-    index from one shared counter, so there is one task per thread per batch (not a
-    future per sample), no thread waits while work is left, and the caller is never
-    idle. ``count=None``: as many as torch's own CPU threads (``torch.get_num_threads()``,
-    asked at each batch): every core it may use in a training process, one in a
-    DataLoader worker (torch sets 1 there), ``OMP_NUM_THREADS`` where a launcher set it.
-    A forked or unpickled copy makes its own pool."""
+    """``count`` threads decode a batch (libjpeg-turbo and OpenCV release the GIL):
+    ``count - 1`` helper threads of the process's pool and the calling thread itself pull
+    the next index from one shared counter, so there is one task per thread per batch
+    (not a future per sample), no thread waits while work is left, and the caller is
+    never idle. ``count=None``: as many as torch's own CPU threads
+    (``torch.get_num_threads()``, asked at each batch): every core it may use in a
+    training process, one in a DataLoader worker (torch sets 1 there),
+    ``OMP_NUM_THREADS`` where a launcher set it."""
 
     def __init__(self, count: int | None) -> None:
         self.count = count
-        self._pool: tuple[int, int, Any] | None = None
 
     def size(self) -> int:
         """The threads a batch is shared by now (1: the calling thread alone)."""
         return max(1, torch.get_num_threads() if self.count is None else self.count)
 
     def map(self, fn: Callable[[int], Any], n: int) -> list[Any]:
-        count = self.size()
-        if count <= 1 or n <= 1:
+        count = min(self.size(), n)
+        if count <= 1:
             return [fn(j) for j in range(n)]
-        if self._pool is None or self._pool[:2] != (os.getpid(), count):
-            from concurrent.futures import ThreadPoolExecutor
-
-            if self._pool is not None and self._pool[0] == os.getpid():
-                self._pool[2].shutdown(wait=False)  # torch's thread count changed: a pool of the new size
-            self._pool = (os.getpid(), count, ThreadPoolExecutor(count - 1, thread_name_prefix="packio-decode"))
         out: list[Any] = [None] * n
         todo = iter(range(n))  # next() on it is atomic under the GIL: each index goes to one thread
 
@@ -95,22 +106,21 @@ class DecodeThreads:
                 raise
 
         helpers = []
-        for _ in range(min(count, n) - 1):
+        for _ in range(count - 1):
             try:
-                helpers.append(self._pool[2].submit(drain))
+                helpers.append(_helper_pool(count - 1).submit(drain))
             except RuntimeError:  # the interpreter is exiting (its main thread ended): this thread does the rest
                 break
         try:
             drain()
         finally:
-            for f in helpers:  # even when this thread raised: no helper may still write into `out`
-                f.exception()
+            for f in helpers:  # no helper may still write into `out`; one not started has nothing left
+                if not f.cancel():  # (and waiting for it could wait on this very thread: a nested batch)
+                    f.exception()
         for f in helpers:
-            f.result()
+            if not f.cancelled():
+                f.result()
         return out
-
-    def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _pool=None)
 
 
 def batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:

@@ -360,7 +360,7 @@ def test_default_threads_follow_torch(gen_folder_once, tmp_path, monkeypatch):
         ds = packio.open_dataset(tmp_path / "d.lmdb", resize=16)
         names = _decoding_threads(ds, monkeypatch)
         assert len(names) == 3 and sum(n.startswith("packio-decode") for n in names) == 2
-        assert ds.items.pool._pool[1] == 3
+        assert packio.items._helpers[1] >= 2  # the process's helpers, shared by every dataset
         torch.set_num_threads(1)  # as in a DataLoader worker
         assert _decoding_threads(ds, monkeypatch) == {"MainThread"}
         torch.set_num_threads(3)
@@ -441,3 +441,40 @@ def test_ctrl_c_mid_batch_stops_the_decode_threads(gen_folder_once, tmp_path):
     out = proc.stdout.split()
     assert out[:1] == ["INTERRUPTED"], proc.stderr[-1500:]
     assert int(out[1]) <= 9  # the 6 started before the interrupt, and at most what was in flight then
+
+
+def test_every_dataset_shares_the_processs_decode_threads(gen_folder_once, tmp_path):
+    """Decode threads are one pool per process, whatever the number of datasets (a mix of
+    many sources, train and validation sets): not a pool of its own per dataset."""
+    import threading
+
+    src, csv = gen_folder_once
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    sets = [packio.open_dataset(tmp_path / "d.lmdb", resize=16, threads=3) for _ in range(8)]
+    for ds in sets:
+        ds.__getitems__([0, 1, 2, 3])
+    assert sum(t.name.startswith("packio-decode") for t in threading.enumerate()) <= 2 + 2  # +2: a pool being replaced
+
+
+_NESTED_CHILD = """
+import sys
+import packio
+inner = packio.open_dataset(sys.argv[1], resize=8, threads=2)
+outer = packio.open_dataset(sys.argv[1], resize=16, threads=2,
+                            transform=lambda im: (inner.__getitems__([0, 1, 2]), im)[1])
+print(len(outer.__getitems__(list(range(6)))), flush=True)
+"""
+
+
+def test_a_batch_read_inside_a_decode_thread_does_not_wait_on_itself(gen_folder_once, tmp_path):
+    """A transform that reads a batch of another threaded dataset runs on a decode thread;
+    that inner batch's helper may be queued behind the very thread waiting for it. It is
+    cancelled (nothing is left for it to do), not waited for: no deadlock."""
+    src, csv = gen_folder_once
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _NESTED_CHILD, str(tmp_path / "d.lmdb")], capture_output=True,
+                              text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a nested batch waited on its own decode thread")
+    assert proc.returncode == 0 and proc.stdout.split() == ["6"], proc.stderr[-1500:]
