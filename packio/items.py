@@ -106,11 +106,12 @@ class DecodeThreads:
                 raise
 
         helpers = []
-        for _ in range(count - 1):
-            try:
-                helpers.append(_helper_pool(count - 1).submit(drain))
-            except RuntimeError:  # the interpreter is exiting (its main thread ended): this thread does the rest
-                break
+        try:
+            pool = _helper_pool(count - 1)
+            for _ in range(count - 1):
+                helpers.append(pool.submit(drain))
+        except RuntimeError:  # the interpreter is exiting, or the pool was just replaced: this thread does the rest
+            pass
         try:
             drain()
         finally:
