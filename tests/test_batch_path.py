@@ -373,7 +373,6 @@ def test_default_threads_follow_torch(gen_folder_once, tmp_path, monkeypatch):
         torch.set_num_threads(before)
 
 
-
 _AFTER_MAIN_CHILD = """
 import atexit, sys, threading, time
 import packio, torch
