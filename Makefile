@@ -37,7 +37,7 @@ TORCH_NOW = $(PY) -c 'import torch; print(torch.__version__.split("+")[0])'
 NVIMG_EXTRA = $(PY) -c 'import torch; print("nvimgcodec-cu13" if (torch.version.cuda or "").startswith("13") else "nvimgcodec")'
 gpu-check: install
 	$(PY) -m pip install -q -e ".[gpu,$$($(NVIMG_EXTRA))]" "torch==$$($(TORCH_NOW))"
-	$(PY) benchmarks/gpu.py
+	$(PY) tools/gpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache demo-out

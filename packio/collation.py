@@ -116,7 +116,7 @@ class Batch(Sequence):
 def stack_images(images: list[Any]) -> torch.Tensor | list[Any]:
     """One ``[B, C, H, W]`` tensor when every image is a tensor of one shape, else the
     list as it is. CHW views of HWC pixels are stacked as HWC memory (a plain copy;
-    stacking the strided views is slower, benchmarks/loader.py levers) and handed out NCHW
+    stacking the strided views is slower, tools/loader.py levers) and handed out NCHW
     in channels_last memory."""
     if not images or not all(isinstance(im, torch.Tensor) for im in images) or len({im.shape for im in images}) != 1:
         return images

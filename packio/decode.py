@@ -27,7 +27,7 @@ MAX_PIXELS = limits.MAX_PIXELS  # the default; packio.limits.MAX_PIXELS is read 
 
 # libjpeg-turbo's SIMD colour conversion writes its output with non-temporal stores
 # (``movntdq``, past the caches) when the output is 32-byte aligned (AVX2; 16 for SSE2),
-# and with plain stores otherwise. Measured here (benchmarks/read_cpu.py's 64 px JPEGs,
+# and with plain stores otherwise. Measured here (tools/read_cpu.py's 64 px JPEGs,
 # same instructions counted by valgrind either way): a 64 px decode costs 12 us into
 # memory at 16 mod 32 and 23-32 us into 32-aligned memory (torch's 64-aligned batch
 # buffers, and half of numpy's 16-aligned arrays); 224 px: 107 against 158 us. So an
@@ -353,7 +353,7 @@ def check_decode(data: bytes | memoryview) -> None:
     """Decode the whole image, strictly; raise ValueError (``CorruptImageError`` for
     libjpeg's warnings) when it is damaged. A JPEG is decoded at 1/8 scale: all of
     its entropy-coded data is still read, which is where damage shows. That saves
-    little (0.8-1.0x a full decode in benchmarks/convert.py check): the entropy
+    little (0.8-1.0x a full decode in tools/convert.py check): the entropy
     decoding is most of the cost."""
     if sniff(data) == "jpeg":
         try:
@@ -438,7 +438,7 @@ def resize(img: np.ndarray, hw: tuple[int, int], best: bool = False, out: np.nda
 
     Default (read time): halve with a 2x2 box filter while the image is at least
     twice the target, then bilinear: antialiased by powers of two, and several times
-    faster than OpenCV's INTER_AREA at non-integer ratios (benchmarks/loader.py levers),
+    faster than OpenCV's INTER_AREA at non-integer ratios (tools/loader.py levers),
     which would otherwise cost as much as the JPEG decode.
     ``best=True`` (pack time): INTER_AREA when shrinking, INTER_LINEAR when growing.
     ``out``: write the result there (a ``uint8[h, w, 3]`` slot of a batch buffer).

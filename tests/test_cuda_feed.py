@@ -399,11 +399,11 @@ def test_training_example_runs_on_cpu(gen_folder, tmp_path):
 
 
 def test_gpu_check_fails_without_cuda_unless_allowed(monkeypatch, capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tools"))
     try:
         import gpu as gpu_check
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "tools"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = ["gpu.py", "--images", "12", "--batch", "6", "--steps", "2"]
     monkeypatch.setattr(sys, "argv", args)

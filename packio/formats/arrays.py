@@ -45,7 +45,7 @@ def _npy_header(shape: tuple[int, ...]) -> bytes:
 
 def _copy_rows(flat: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = flat[idx]``. np.take, even for a run of consecutive indices: as fast
-    as one memcpy of the whole run (benchmarks/loader.py w2), so one path serves every batch.
+    as one memcpy of the whole run (tools/loader.py w2), so one path serves every batch.
     Indices are checked already; mode "raise" would buffer a copy of ``out``."""
     np.take(flat, idx, axis=0, out=out, mode="clip")
 
@@ -204,7 +204,7 @@ class ArrayReader(Reader):
         k = min(threads.size(), len(idx)) if threads is not None else 1
         if k <= 1:
             _copy_rows(flat, idx, out)
-        else:  # numpy copies without the GIL: one core does not reach the memory bandwidth (benchmarks/loader.py w2)
+        else:  # numpy copies without the GIL: one core does not reach the memory bandwidth (tools/loader.py w2)
             cuts = [len(idx) * j // k for j in range(k + 1)]
             threads.map(lambda j: _copy_rows(flat, idx[cuts[j]:cuts[j + 1]], out[cuts[j]:cuts[j + 1]]), k)
         labels, boxes, box_labels, counts = columns.take(idx)

@@ -16,7 +16,7 @@ __all__ = ["results", "auto_workers", "cpus", "progress_bar", "AUTO_PROBE", "AUT
 
 # workers="auto": time the first inputs here, then use processes only when each input costs at
 # least AUTO_MIN_TASK_S and the rest at least AUTO_MIN_REST_S in one process: starting a pool
-# cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (benchmarks/convert.py workers).
+# cost 0.7-0.8 s here, and 2 workers lost to 1 on small photos (tools/convert.py workers).
 AUTO_PROBE, AUTO_PROBE_S, AUTO_MIN_TASK_S, AUTO_MIN_REST_S = 16, 0.3, 0.002, 3.0
 
 _WORKER_FN: Callable[[Any], Result] | None = None  # set once in each pool process by _init_worker

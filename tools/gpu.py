@@ -1,8 +1,8 @@
 """Measure every GPU path of packio.cuda and check it against the targets.
 
-    python benchmarks/gpu.py                 # on a CUDA machine (fails without CUDA or a GPU decode backend)
-    python benchmarks/gpu.py --allow-cpu     # run the CPU-runnable parts here; GPU figures "not measured"
-    python benchmarks/gpu.py --sweep         # only: decode backends and nvImageCodec's hardware share, alternating rounds
+    python tools/gpu.py                 # on a CUDA machine (fails without CUDA or a GPU decode backend)
+    python tools/gpu.py --allow-cpu     # run the CPU-runnable parts here; GPU figures "not measured"
+    python tools/gpu.py --sweep         # only: decode backends and nvImageCodec's hardware share, alternating rounds
 
 Installs nothing (``make gpu-check`` installs the ``gpu`` extra first). Prints:
 batched decode img/s per GPU backend and for the CPU decoder (all cores, warmed
@@ -99,7 +99,7 @@ def resnet50() -> tuple[nn.Module, str]:
 
         return tv_resnet50(num_classes=1000), "torchvision resnet50"
     except ImportError:
-        return resnet50_local(1000), "ResNet-50 defined in benchmarks/gpu.py (torchvision absent)"
+        return resnet50_local(1000), "ResNet-50 defined in tools/gpu.py (torchvision absent)"
 
 
 def cpu_decode_rate(blobs: list[bytes], threads: int) -> float:

@@ -4,7 +4,7 @@ Each measurement is a fresh process importing packio from tree A or tree B (PYTH
 alternating A, B per setting and round, so both trees see the same machine state. The
 datasets are packed once, by tree A. Prints each setting's median samples/s and B / A.
 
-    python benchmarks/ab.py --a /work/main --b /work/wt-h22 --src /tmp/synth5k/images \\
+    python tools/ab.py --a /work/main --b /work/wt-h22 --src /tmp/synth5k/images \\
         --csv /tmp/synth5k/annotations.csv --work /tmp/packio-ab --rounds 5
 
 Run it on a quiet machine (under ``flock /tmp/packio-timing.lock``); ratios from one run only.

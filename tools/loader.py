@@ -1,4 +1,4 @@
-"""Read paths against the machine's limits (``python benchmarks/loader.py COMMAND --help``).
+"""Read paths against the machine's limits (``python tools/loader.py COMMAND --help``).
 
     w1      W1 (decode + resize 224, batches of 64) vs L1, each run a fresh process; --compare A/B
     w1cpu   W1 CPU µs per sample of packio nw=0 (1 and 2 decode threads) vs L1's decode + resize of the
@@ -55,8 +55,8 @@ def w1(argv: list[str]) -> int:
     packio under DIR in the same rounds (A/B). × L1 uses the same cores: nw=0 and no
     decode threads is 1 process, else 2.
 
-        python benchmarks/loader.py w1 --path packed.lmdb --settings 0/0,0/2,2/0
-        python benchmarks/loader.py w1 --path packed.lmdb --compare /tmp/old   # A/B
+        python tools/loader.py w1 --path packed.lmdb --settings 0/0,0/2,2/0
+        python tools/loader.py w1 --path packed.lmdb --compare /tmp/old   # A/B
     """
     ap = parser(w1.__doc__)
     ap.add_argument("--path", help="a packed LMDB dataset (else packed from --src)")
@@ -164,7 +164,7 @@ def w1cpu(argv: list[str]) -> int:
     the second thread cannot share); "busy cores" = CPU ÷ wall, which shows threads=2's
     scaling on a quiet machine only (2.0 = both cores decode all the time).
 
-        python benchmarks/loader.py w1cpu --path /tmp/peers-packed/packio-lmdb/data.lmdb
+        python tools/loader.py w1cpu --path /tmp/peers-packed/packio-lmdb/data.lmdb
     """
     ap = parser(w1cpu.__doc__, rounds=5)
     ap.add_argument("--path", help="a packed LMDB of JPEGs (default: 640 generated photos, packed)")
@@ -391,7 +391,7 @@ def w2cpu(argv: list[str]) -> int:
     samples memcpy'd into one reused buffer) and packio's gather alone. Without --path a
     generated 2,000-sample 224x224 dataset is packed first.
 
-        python benchmarks/loader.py w2cpu --path /tmp/peers-packed/packio-arrays/data.arrays
+        python tools/loader.py w2cpu --path /tmp/peers-packed/packio-arrays/data.arrays
     """
     ap = parser(w2cpu.__doc__, rounds=5)
     ap.add_argument("--path", help="a packed .arrays dataset (default: a generated one)")

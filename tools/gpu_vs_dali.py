@@ -3,9 +3,9 @@ on the same in-memory JPEG bytes (ImageNet-like ~500x375 q90 4:2:0, plus the rea
 ../shared/data), batch 256, output fp16 (or bf16) 224x224 normalised NHWC (channels_last),
 random resized crop and a 50 % flip, in alternating rounds.
 
-    python benchmarks/gpu_vs_dali.py                      # on a CUDA machine: every pipeline it can run
-    python benchmarks/gpu_vs_dali.py --train-steps 200    # also ResNet-50 bf16 training fed by each
-    python benchmarks/gpu_vs_dali.py --allow-cpu --images 64 --batch 16 --rounds 1   # the CPU parts only
+    python tools/gpu_vs_dali.py                      # on a CUDA machine: every pipeline it can run
+    python tools/gpu_vs_dali.py --train-steps 200    # also ResNet-50 bf16 training fed by each
+    python tools/gpu_vs_dali.py --allow-cpu --images 64 --batch 16 --rounds 1   # the CPU parts only
 
 Pipelines (one is reported "unavailable: why" when its package or CUDA is missing):
   dali hw=LOAD      fn.external_source → decoders.image(device="mixed", hw_decoder_load=LOAD; "default":

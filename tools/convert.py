@@ -1,4 +1,4 @@
-"""Packing costs (``python benchmarks/convert.py COMMAND --help``).
+"""Packing costs (``python tools/convert.py COMMAND --help``).
 
     workers  does ``convert --workers auto`` pick well? 0, 2 and auto workers on the shared photo sets
     check    what ``--check decode`` costs at pack time vs ``header`` and ``auto``
@@ -46,8 +46,8 @@ def workers(argv: list[str]) -> int:
     (one process), 2 and ``auto`` workers, as found and pre-resized (short side 256), in
     interleaved rounds; prints medians, auto's choice and auto / best fixed setting.
 
-        python benchmarks/convert.py workers                  # raccoon + hymenoptera from ../shared/data
-        python benchmarks/convert.py workers --src DIR --rounds 5
+        python tools/convert.py workers                  # raccoon + hymenoptera from ../shared/data
+        python tools/convert.py workers --src DIR --rounds 5
     """
     ap = parser(workers.__doc__)
     ap.add_argument("--src", action="append", help="image folder (repeatable; default raccoon + hymenoptera)")

@@ -5,7 +5,7 @@ then ``fn.resize`` to 224x224 (linear, no antialias: as the harness' cv2.INTER_L
 batches of 64 handed out as NCHW views, with the harness' labels and boxes. nw=N is DALI's
 ``num_threads=N`` in this process (nw=0 as 1). Every other option is the harness' own:
 
-    python benchmarks/peers_dali.py --data /tmp/synth5k --loaders dali-cpu,packio-lmdb,folder-simplejpeg \\
+    python tools/peers_dali.py --data /tmp/synth5k --loaders dali-cpu,packio-lmdb,folder-simplejpeg \\
         --workers 0,2 --passes 3 --limits --md /tmp/w1-dali.md
 
 Needs DALI in the running Python (``pip install nvidia-dali-cuda130``: its CPU pipeline runs without

@@ -9,8 +9,8 @@ round). The figure is CPU time (``time.process_time``) per sample, the best of t
 rounds (contention on a shared machine inflates CPU time, never deflates it), and each
 tree's ratio to the first tree::
 
-    python benchmarks/read_cpu.py --tree . /tmp/old /work/main
-    python benchmarks/read_cpu.py --tree . --profile lmdb-64      # cProfile of one case's ds[i]
+    python tools/read_cpu.py --tree . /tmp/old /work/main
+    python tools/read_cpu.py --tree . --profile lmdb-64      # cProfile of one case's ds[i]
 
 CPU time is far less load-sensitive than wall time, but take figures for claims on a
 quiet machine (``flock /tmp/packio-timing.lock``).

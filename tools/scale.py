@@ -9,14 +9,14 @@ time), converter peak RSS and its growth per sample, GC passes, output size, ope
 reader RSS and read CPU per sample; then the ratios of the per-sample figures at the
 largest N to those at the smallest.
 
-    python benchmarks/scale.py --n 10000 100000 1000000
-    python benchmarks/scale.py --n 10000 100000 --tree /work/main      # the same run on another tree
-    python benchmarks/scale.py --n 10000 100000 1000000 --formats lmdb --per-folder 1000 --scheduler local
+    python tools/scale.py --n 10000 100000 1000000
+    python tools/scale.py --n 10000 100000 --tree /work/main      # the same run on another tree
+    python tools/scale.py --n 10000 100000 1000000 --formats lmdb --per-folder 1000 --scheduler local
 
 ``--tree`` puts that tree's ``packio`` first on the children's path (before/after
 comparisons: run once per tree with the same ``--work`` folder; the images are reused).
 Read CPU of two trees side by side (the same files, interleaved rounds, every format):
-``benchmarks/read_cpu.py --tree . OTHER``; here, the read column is this tree's, for its
+``tools/read_cpu.py --tree . OTHER``; here, the read column is this tree's, for its
 scaling with N. Before each pack the free disk is checked
 against the output size per sample measured at a smaller N (or a guess). Figures for
 claims come from a quiet machine (``flock /tmp/packio-timing.lock``).

@@ -1,4 +1,4 @@
-"""The one timing and reporting module of the developer benchmarks (``benchmarks/*.py``).
+"""The one timing and reporting module of the developer benchmarks (``tools/*.py``).
 
 Every benchmark here times its cases in interleaved rounds (the order reversed every
 other round, so a load trend on a shared machine cancels out), reports medians and

@@ -1,9 +1,9 @@
 """Streaming from object storage and HTTP vs local disk, and the S3 client choice.
 
-    python benchmarks/remote.py                 # 1,000 generated JPEGs, W1, 2 rounds
-    python benchmarks/remote.py --n 10000 --rounds 3
-    python benchmarks/remote.py --clients-only  # s3fs vs obstore on the local S3 server
-    python benchmarks/remote.py --checksum      # the per-sample checksum's cost on remote reads
+    python tools/remote.py                 # 1,000 generated JPEGs, W1, 2 rounds
+    python tools/remote.py --n 10000 --rounds 3
+    python tools/remote.py --clients-only  # s3fs vs obstore on the local S3 server
+    python tools/remote.py --checksum      # the per-sample checksum's cost on remote reads
 
 Self-contained: generates photo-like JPEGs (packio.bench.synth), packs them into tar
 shards on local disk, uploads them to a SeaweedFS S3 server it starts on 127.0.0.1
