@@ -289,6 +289,24 @@ class Reader(ABC):
     def read_many(self, indices: list[int]) -> list[Sample]:
         return [self.read(i) for i in indices]
 
+    # -- contract shim (READER-CONTRACT.md; r2-contract declares these per format: drop at merge) --
+    @property
+    def reads_batches(self) -> bool:
+        """True when ``read_batch`` does better than one ``read`` per sample."""
+        return type(self).read_many is not Reader.read_many or type(self).read_batch is not Reader.read_batch
+
+    @property
+    def streams(self) -> bool:
+        """True when the reader wants :meth:`plan` (remote shards, fetched whole)."""
+        return type(self).plan is not Reader.plan
+
+    def plan(self, seq: np.ndarray) -> None:
+        """Told the sequence this process will read, in order (streaming readers prefetch it)."""
+
+    def fetch_all(self) -> dict[str, str]:
+        """For verify: every file fetched; the damaged ones, by name."""
+        return {}
+
     def check_stored(self) -> list[str]:
         """Problems in stored data that ``manifest.files`` does not cover (for verify)."""
         return []
