@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "convert": "packio.urls", "Summary": "packio.pack",
     "verify": "packio.urls",
-    "collate": "packio.collation",
+    "collate": "packio.read.batch",
     "ResizeSpec": "packio.decode",
     "PackOptions": "packio.options", "DecodeOptions": "packio.options",
     "Sample": "packio.sample",
@@ -24,13 +24,13 @@ _LAZY = {
     "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors", "StateError": "packio.errors",
     "OutputBusyError": "packio.errors", "DatasetReplacedError": "packio.errors",
     "RemoteError": "packio.errors",
-    "open_dataset": "packio.datasets", "PackedDataset": "packio.datasets",
-    "PackedIterableDataset": "packio.datasets", "DataLoader": "packio.loading",
-    "ResumableSampler": "packio.datasets",
+    "open_dataset": "packio.read.datasets", "PackedDataset": "packio.read.datasets",
+    "PackedIterableDataset": "packio.read.datasets", "DataLoader": "packio.read.loader",
+    "ResumableSampler": "packio.read.positions",
     "open_reader": "packio.urls",
     "tune": "packio.tuning",
     "show": "packio.preview",
-    "mix": "packio.mixing", "MixedDataset": "packio.mixing",
+    "mix": "packio.read.mix", "MixedDataset": "packio.read.mix",
 }
 
 
@@ -46,7 +46,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name.endswith("Dataset") and name in _format_class_names():
-        return getattr(importlib.import_module("packio.datasets"), name)
+        return getattr(importlib.import_module("packio.read.datasets"), name)
     raise AttributeError(f"module 'packio' has no attribute {name!r}")
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from packio.decode import ResizeSpec
 from packio.errors import PackioError
 
-__all__ = ["PackOptions", "DecodeOptions", "ENCODE_CHOICES", "CHECKS", "RANGES", "merge_options"]
+__all__ = ["PackOptions", "DecodeOptions", "ENCODE_CHOICES", "CHECKS", "RANGES", "merge_options", "check_int"]
 
 ENCODE_CHOICES = ("keep", "jpeg", "png", "bmp")
 CHECKS = ("auto", "header", "decode")
@@ -27,6 +27,15 @@ RANGES = {"quality": (1, 100), "shards": (1, 10**7), "shard_samples": (1, 10**9)
           "max_pixels": (1, 1 << 40)}
 
 T = TypeVar("T", "PackOptions", "DecodeOptions")
+
+
+def check_int(name: str, value: Any, low: int | None = None) -> int:
+    """``value`` as an int (bools refused), at least ``low``; a clear error otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, not {value}")
+    return int(value)
 
 
 def _in_range(name: str, v: Any) -> None:
@@ -105,7 +114,6 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         from packio import decode as dec
-        from packio.order import check_int
 
         if not isinstance(self.decode, bool) or not isinstance(self.verify, bool):
             raise TypeError("decode and verify must be True or False")

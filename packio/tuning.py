@@ -10,8 +10,8 @@ __all__ = ["tune", "default_trials"]
 
 
 def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any]) -> float:
-    from packio.datasets import PackedIterableDataset
-    from packio.loading import DataLoader
+    from packio.read.datasets import PackedIterableDataset
+    from packio.read.loader import DataLoader
     from packio.measure import throughput
 
     shuffle = not isinstance(dataset, PackedIterableDataset)
@@ -57,17 +57,16 @@ def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list
             if w:
                 kw.update(prefetch_factor=pf, persistent_workers=True)
             trials.append({**kw, "threads": th})
-    items = dataset.items
     results = []
     for trial in trials:
         kw = {k: v for k, v in trial.items() if k != "threads"}
-        items.threads = trial["threads"]
+        dataset.threads = trial["threads"]
         rate = _rate(dataset, batch_size, seconds, kw)
         results.append((rate, trial))
         if verbose:
             print(f"  {rate:9.0f} samples/s  {trial}", flush=True)
     best = max(results, key=lambda r: r[0])
-    items.threads = best[1]["threads"]
+    dataset.threads = best[1]["threads"]
     if verbose:
         print(f"best: {best[1]} ({best[0]:.0f} samples/s, batch {batch_size})")
     return dict(best[1])

@@ -43,7 +43,7 @@ def run(sc: dict, out: Path, rank: int) -> None:
     loader_args = dict(sc.get("loader_args", {}))
     ctx = loader_args.get("multiprocessing_context")
     if ctx == "forkserver":
-        mp.set_forkserver_preload(["torch", "packio.datasets", "packio.loading"])
+        mp.set_forkserver_preload(["torch", "packio.read.datasets", "packio.read.loader"])
     try:
         train(sc["path"], Path(sc["checkpoint"]), sc["epochs"], step, iterable=sc["iterable"],
               batch_size=sc["batch_size"], dataset_args=sc.get("dataset_args"), **loader_args)

@@ -10,7 +10,7 @@ import torch
 
 import packio
 from packio.formats.columns import Columns
-from packio.items import Decoder
+from packio.read.decoder import Decoder
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_arrays_batches_are_whole_gathers_into_fresh_buffers(arrays, monkeypatch
         raise AssertionError("the per-sample route was used")
 
     monkeypatch.setattr(Decoder, "samples", per_sample)
-    arrays.items.threads = 2  # 2 threads share each copy
+    arrays.threads = 2  # 2 threads share each copy
     loader = packio.DataLoader(arrays, batch_size=5, shuffle=shuffle)
     kept = list(loader)  # every batch kept alive: none may be overwritten by a later one
     assert len({b["image"].data_ptr() for b in kept}) == len(kept)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import packio
+import packio.read.decoder
 
 
 @pytest.mark.parametrize("suffix", [".arrays", ".h5"])
@@ -126,7 +127,7 @@ def test_unresized_one_size_batch_is_decoded_into_one_buffer(tmp_path, monkeypat
     def no_stack(images):
         raise AssertionError("the batch's images were decoded one by one and stacked (a copy)")
 
-    monkeypatch.setattr(packio.items, "stack_images", no_stack)
+    monkeypatch.setattr(packio.read.decoder, "stack_images", no_stack)
     order = [5, 2, 7, 0, 1]
     batch = ds.__getitems__(order)
     assert isinstance(batch.image, torch.Tensor) and batch.image.shape == (5, 3, 24, 32)
@@ -148,7 +149,7 @@ def test_records_that_misstate_the_size_still_give_the_images_pixels(tmp_path, m
     (src / "a" / "i6.jpg").write_bytes(jpeg(40, 44, seed=51))
     packio.convert(src, tmp_path / "d.lmdb", progress=False)
     ds = packio.open_dataset(tmp_path / "d.lmdb")
-    reader = ds.items.reader
+    reader = ds.reader
     truth = {i: torch.from_numpy(packio.decode.decode(reader.read(i).payload)).permute(2, 0, 1)
              for i in range(len(ds))}
     assert {t.shape[1:] for t in truth.values()} == {(24, 32), (16, 20), (40, 44)}
@@ -184,7 +185,7 @@ def test_one_huge_header_does_not_size_every_row_of_the_batch(tmp_path, monkeypa
     one image at the pixel limit; the damaged sample is skipped, the others are read."""
     packio.convert(_one_size_folder(tmp_path / "src", hw=(16, 16)), tmp_path / "d.lmdb", progress=False)
     ds = packio.open_dataset(tmp_path / "d.lmdb", on_error="skip")
-    reader = ds.items.reader
+    reader = ds.reader
     truth = {i: ds[i]["image"] for i in range(len(ds))}
     real = reader.read
 
@@ -202,7 +203,7 @@ def test_one_huge_header_does_not_size_every_row_of_the_batch(tmp_path, monkeypa
         return torch.empty(shape, dtype=torch.uint8)
 
     monkeypatch.setattr(reader, "read", hostile)
-    monkeypatch.setattr(packio.items, "batch_buffer", spy)
+    monkeypatch.setattr(packio.read.decoder, "batch_buffer", spy)
     batch = ds.__getitems__(list(range(8)))
     assert batch.kept == [False] + [True] * 7
     for j in range(1, 8):
@@ -216,7 +217,7 @@ def test_a_skipped_samples_row_of_the_batch_buffer_is_zeros(tmp_path, monkeypatc
     held before (a fresh buffer is uninitialised: another batch's pixels) or a partial decode."""
     packio.convert(_one_size_folder(tmp_path / "src", hw=(16, 16)), tmp_path / "d.lmdb", progress=False)
     ds = packio.open_dataset(tmp_path / "d.lmdb", on_error="skip", resize=resize)
-    reader = ds.items.reader
+    reader = ds.reader
     truth = {i: ds[i]["image"] for i in range(len(ds))}
     real = reader.read
 
@@ -227,7 +228,7 @@ def test_a_skipped_samples_row_of_the_batch_buffer_is_zeros(tmp_path, monkeypatc
         return s
 
     monkeypatch.setattr(reader, "read", damaged)
-    monkeypatch.setattr(packio.items, "batch_buffer", lambda shape: torch.full(shape, 77, dtype=torch.uint8))
+    monkeypatch.setattr(packio.read.decoder, "batch_buffer", lambda shape: torch.full(shape, 77, dtype=torch.uint8))
     batch = ds.__getitems__(list(range(8)))
     assert batch.kept == [True] * 3 + [False] + [True] * 2 + [False, True]
     assert isinstance(batch.image, torch.Tensor) and batch.image.shape == (8, 3, 16, 16)  # the buffer itself
@@ -240,7 +241,7 @@ _ROOM_CHILD = r"""
 import resource, sys
 import packio, torch
 ds = packio.open_dataset(sys.argv[1])
-reader = ds.items.reader
+reader = ds.reader
 truth, real = ds[1]["image"], reader.read
 
 
@@ -360,7 +361,9 @@ def test_default_threads_follow_torch(gen_folder_once, tmp_path, monkeypatch):
         ds = packio.open_dataset(tmp_path / "d.lmdb", resize=16)
         names = _decoding_threads(ds, monkeypatch)
         assert len(names) == 3 and sum(n.startswith("packio-decode") for n in names) == 2
-        assert packio.items._helpers[1] >= 2  # the process's helpers, shared by every dataset
+        import threading
+
+        assert sum(t.name.startswith("packio-decode") for t in threading.enumerate()) >= 2  # the process's pool
         torch.set_num_threads(1)  # as in a DataLoader worker
         assert _decoding_threads(ds, monkeypatch) == {"MainThread"}
         torch.set_num_threads(3)
@@ -368,7 +371,7 @@ def test_default_threads_follow_torch(gen_folder_once, tmp_path, monkeypatch):
             == {"MainThread"}
         seq = packio.open_dataset(tmp_path / "d.lmdb", resize=16, transform=lambda x: x)
         assert _decoding_threads(seq, monkeypatch) == {"MainThread"}
-        assert packio.open_dataset(tmp_path / "d.lmdb", resize=16, transform=lambda x: x, threads=2).items.pool.size() == 2
+        assert packio.open_dataset(tmp_path / "d.lmdb", resize=16, transform=lambda x: x, threads=2).decoder.pool.size() == 2
     finally:
         torch.set_num_threads(before)
 

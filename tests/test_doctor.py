@@ -327,5 +327,5 @@ def test_reader_lines_read_with_the_threads_measured(gen_folder_once, tmp_path, 
                            ({"num_workers": 2, "prefetch_factor": 2, "persistent_workers": True, "threads": 0}, None)]:
         ns = {"packio": packio}
         exec("\n".join(reader_lines("d.lmdb", 64, 8, settings)), ns)
-        assert ns["ds"].items.threads == want, (settings, reader_lines("d.lmdb", 64, 8, settings))
+        assert ns["ds"].threads == want, (settings, reader_lines("d.lmdb", 64, 8, settings))
         assert {k: getattr(ns["loader"], k) for k in ("num_workers",)} == {"num_workers": settings["num_workers"]}

@@ -35,7 +35,7 @@ import json, resource, sys, time, traceback
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)
 import numpy as np
 import packio
-import packio.datasets  # torch: imported before the cases, so its memory is not counted in theirs
+import packio.read.datasets  # torch: imported before the cases, so its memory is not counted in theirs
 from packio.errors import PackioError
 
 

@@ -14,7 +14,7 @@ import torch
 
 import packio
 from conftest import jpeg
-from packio.mixing import shares
+from packio.read.mix import shares
 
 SOURCES = (("a", 30, "wds", (12, 16)), ("b", 20, "lmdb", (20, 10)), ("c", 12, "wds", (9, 9)))
 WEIGHTS = [0.5, 0.3, 0.2]

@@ -549,7 +549,7 @@ def test_dataset_classes_given_a_url_point_to_open_dataset():
     open_dataset (even with its options, before they are refused), the password left out."""
     secret = "S3CR3T-pw"
     url = f"https://user:{secret}@127.0.0.1:9/ds.wds?sig={secret}"
-    from packio.datasets import format_classes
+    from packio.read.datasets import format_classes
 
     classes = format_classes()
     makes = [lambda: packio.PackedDataset(url), lambda: packio.PackedIterableDataset(url, shuffle=True),

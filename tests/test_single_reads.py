@@ -12,7 +12,7 @@ import torch
 
 import packio
 from packio.formats.base import Reader
-from packio.items import Decoder
+from packio.read.decoder import Decoder
 
 # name: (suffix, pack options); "h5-raw" is the fixed-shape HDF5 (pixels, block reads)
 FORMATS = {"lmdb": (".lmdb", {}), "tar": (".wds", {}), "hdf5": (".h5", {}), "bmp": (".bmpdir", {}),
@@ -122,7 +122,7 @@ def test_corrupt_sample_is_skipped_or_raised_alike(packed, tmp_path):
     bad.write_bytes(b"BM" + bytes(len(bad.read_bytes()) - 2))  # a BMP header of zeros: no image
     ds = packio.open_dataset(path, on_error="skip")
     batch = ds.__getitems__(list(range(len(ds))))
-    assert batch[3] is None and ds[3] is None and ds.items.errors.count == 2
+    assert batch[3] is None and ds[3] is None and ds.decoder.errors.count == 2
     for i in (0, 4):
         _same(ds[i], batch[i])
     raising = packio.open_dataset(path)

@@ -76,7 +76,7 @@ except packio.FormatError as exc:
 def test_emfile_is_not_called_a_foreign_dataset(tmp_path):
     path = _pack(tmp_path)
     code = f"""
-import os, resource, packio, packio.datasets, packio.formats, packio.remote
+import os, resource, packio, packio.read.datasets, packio.formats, packio.remote
 packio.open_dataset({str(path)!r})  # every module loaded
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 keep = []
@@ -139,7 +139,7 @@ def test_worker_state_done_is_checked(tmp_path, monkeypatch, done):
     loaded and iterated as worker 0 of 2 would."""
     import types
 
-    import packio.datasets as pd
+    import packio.read.datasets as pd
 
     path = packio.convert(_many(tmp_path / "src", 64), tmp_path / "d.lmdb", progress=False).output
     ds = packio.open_dataset(path, iterable=True, decode=False, shuffle=True, seed=1, batch_size=4)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import packio
+import packio.read.batch
 from conftest import jpeg
 
 N, BATCH = 12, 4
@@ -28,7 +29,7 @@ def lmdb_path(tmp_path_factory) -> Path:
     return root / "d.lmdb"
 
 
-def _collate_noting_shared(batch: packio.collation.Batch, packed: bool) -> tuple[dict, bool]:
+def _collate_noting_shared(batch: packio.read.batch.Batch, packed: bool) -> tuple[dict, bool]:
     """packio.collate, plus whether the batch's pixels were in shared memory where they
     were made (in a worker: before torch sends them)."""
     return packio.collate(batch, packed=packed), batch.image.is_shared()
@@ -43,7 +44,7 @@ def test_worker_batch_is_made_in_shared_memory(lmdb_path, context):
         warnings.simplefilter("ignore")  # pin_memory without an accelerator
         loader = packio.DataLoader(ds, batch_size=BATCH, num_workers=2, multiprocessing_context=context,
                                    pin_memory=True, collate_fn=functools.partial(_collate_noting_shared, packed=True))
-        kept = [(packio.collation.unpack(b), shared) for b, shared in loader]
+        kept = [(packio.read.batch.unpack(b), shared) for b, shared in loader]
     assert len(kept) == N // BATCH
     assert all(shared for _, shared in kept), "a worker made its batch in private memory: torch copies it to send"
     seen = []

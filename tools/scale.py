@@ -82,7 +82,7 @@ print(json.dumps({"packio": packio.__file__, "packed": s.packed, "skipped": sum(
 READ = r"""
 import json, os, resource, sys, time
 dst, limit = sys.argv[1], int(sys.argv[2])
-import packio, packio.datasets, torch  # imports are not the open time
+import packio, packio.read.datasets, torch  # imports are not the open time
 t0 = time.perf_counter()
 ds = packio.open_dataset(dst)
 open_ms = (time.perf_counter() - t0) * 1e3

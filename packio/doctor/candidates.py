@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from packio import decode as dec
-from packio.datasets import PackedDataset
+from packio.read.datasets import PackedDataset
 from packio.doctor.stages import StageCosts
-from packio.loading import DataLoader
+from packio.read.loader import DataLoader
 from packio.measure import Rate, throughput
 
 __all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "measure_packed", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack"]
@@ -134,7 +134,7 @@ def repeat_index(n: int, batch_size: int, batches: int = 32) -> np.ndarray:
 
 def measure_packed(ds: Any, batch_size: int, seconds: float, settings: dict[str, Any]) -> Rate:
     """Samples/s of a packio DataLoader over ``ds`` with ``settings`` (as tune returns them)."""
-    ds.items.threads = settings.get("threads", 0)
+    ds.threads = settings.get("threads", 0)
     loader = DataLoader(ds, batch_size=batch_size, shuffle=True,
                         **{k: v for k, v in settings.items() if k != "threads"})
     try:
@@ -165,7 +165,7 @@ def process_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 def measure_files(paths: list[str], size: int, batch_size: int, settings: dict[str, Any], seconds: float) -> Rate:
     """Samples/s of the one-file-per-sample baseline with these DataLoader keyword arguments."""
-    from packio.collation import collate
+    from packio.read.batch import collate
 
     ds = FilesDataset(paths, size, repeat_index(len(paths), batch_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, collate_fn=collate, **settings)

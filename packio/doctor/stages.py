@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from packio import decode as dec
-from packio.collation import collate
+from packio.read.batch import collate
 from packio.errors import CorruptSampleError
 
 __all__ = ["StageCosts", "measure_stages", "transfer_cost"]

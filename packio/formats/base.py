@@ -314,7 +314,7 @@ class Reader(ABC):
     def read_batch(self, indices: Sequence[int], threads: Any = None) -> "StoredBatch":
         """The stored samples of a batch. This default reads them one by one (a bad one
         becomes its error, in its place); fixed-shape raw formats gather one pixel block.
-        ``threads``: a :class:`packio.items.DecodeThreads` a reader may share its copy with."""
+        ``threads``: a :class:`packio.read.decoder.DecodeThreads` a reader may share its copy with."""
         idx = self.check_indices(indices)
         try:
             samples: list[Sample | PackioError] = list(self.read_many(idx.tolist()))

@@ -1,12 +1,11 @@
 """``packio.DataLoader``: torch's DataLoader plus what packio's datasets can do better.
 
-It adds, and nothing else: ``packio.collate`` (a packio batch handed on as it is;
-boxes cross from workers as one tensor each), whole batches from packio's iterable
-datasets, ``set_epoch`` / ``epoch``, and a resume state that is a global position:
-it continues exactly on any number of ranks and workers (torchdata's
-StatefulDataLoader, which also works with packio's datasets and sampler, resumes
-only with the same ``num_workers``). Everything else (workers, pinned memory,
-prefetching) is torch's own.
+It adds, and nothing else: ``packio.collate`` (a packio batch handed on as it is; boxes cross
+from workers as one tensor each), whole batches from packio's iterable datasets, ``set_epoch``
+/ ``epoch``, and a resume state that is a global position: it continues exactly on any number
+of ranks and workers. Everything else (workers, pinned memory, prefetching) is torch's own.
+It uses only the public resume protocol of what it loads: ``position`` (begin / advance / end
+a pass), ``state_at``, ``state_dict``, ``load_state_dict``, ``set_epoch``.
 """
 
 from __future__ import annotations
@@ -18,10 +17,11 @@ from typing import Any, Iterator
 
 import torch
 
-from packio.collation import collate, unpack
-from packio.datasets import PackedIterableDataset, ResumableSampler, _Pass, _Resumable
 from packio.errors import StateError
-from packio.order import check_int
+from packio.options import check_int
+from packio.read.batch import collate, unpack
+from packio.read.datasets import PackedDataset, PackedIterableDataset
+from packio.read.positions import Cursor, ResumableSampler
 
 __all__ = ["DataLoader"]
 
@@ -31,18 +31,16 @@ log = logging.getLogger("packio")
 class DataLoader(torch.utils.data.DataLoader):
     """``torch.utils.data.DataLoader`` with ``packio.collate`` and an elastic resume state.
 
-    Resumable over a packio iterable dataset, or a map-style one with
-    ``sampler=packio.ResumableSampler(...)``: :meth:`state_dict` counts the batches
-    this loader has yielded (each batch is ``batch_size`` positions of the rank's
-    sequence, skipped corrupt samples included), and :meth:`load_state_dict`
-    continues from there with any ``num_workers`` and any world size. With
-    ``in_order=False`` and workers, batches arrive out of order, so the batches
-    yielded are not a position: :meth:`state_dict` refuses.
+    Resumable over a packio iterable dataset (a mix included), or a map-style one with
+    ``sampler=packio.ResumableSampler(...)``: :meth:`state_dict` counts the batches this loader
+    has yielded (each ``batch_size`` positions of the rank's sequence, skipped corrupt samples
+    included), and :meth:`load_state_dict` continues from there with any ``num_workers`` and
+    any world size. With ``in_order=False`` and workers, batches arrive out of order, so the
+    batches yielded are no position: :meth:`state_dict` refuses.
 
-    ``batch_size=None`` yields sample dicts, as torch's loader does. Each worker of a
-    packio iterable dataset makes whole batches (torch's loader runs with
-    ``batch_size=None`` over them; ``len()`` and ``drop_last`` are this loader's).
-    """
+    ``batch_size=None`` yields sample dicts, as torch's loader does. Each worker of a packio
+    iterable dataset makes whole batches (torch's loader runs with ``batch_size=None`` over
+    them; ``len()`` and ``drop_last`` are this loader's)."""
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, **kwargs: Any) -> None:
         if batch_size is not None:
@@ -60,7 +58,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 torch_batch = None  # the dataset yields the batches: torch collates each one alone
                 kwargs.pop("drop_last", None)
         super().__init__(dataset, batch_size=torch_batch, **kwargs)
-        self._pass: _Pass | None = None
+        self._cursor: Cursor | None = None
 
     def __len__(self) -> int:
         ds = self.dataset
@@ -70,13 +68,13 @@ class DataLoader(torch.utils.data.DataLoader):
         return super().__len__()
 
     @property
-    def resumable(self) -> _Resumable | None:
+    def resumable(self) -> PackedIterableDataset | ResumableSampler | None:
         """What holds the epoch and position: the iterable dataset, or the ResumableSampler."""
         if isinstance(self.dataset, PackedIterableDataset):
             return self.dataset
         return self.sampler if isinstance(self.sampler, ResumableSampler) else None
 
-    def _target(self) -> _Resumable:
+    def _target(self) -> PackedIterableDataset | ResumableSampler:
         target = self.resumable
         if target is None:
             raise StateError("this loader cannot resume: give it a packio iterable dataset, or a map-style one "
@@ -88,13 +86,17 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._target().epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` (a no-op when it is the current one: a resumed epoch keeps its position)."""
+        """Start ``epoch`` (a no-op when it is the current one: a resumed epoch keeps its
+        position); a map-style packio dataset is told it too (its decoder gets the epoch)."""
         target: Any = self.resumable
         if target is None and hasattr(self.sampler, "set_epoch"):
             target = self.sampler  # e.g. torch's DistributedSampler
-        if target is None:
-            raise StateError("set_epoch needs a packio iterable dataset or a sampler with set_epoch")
-        target.set_epoch(epoch)
+        if isinstance(self.dataset, PackedDataset):
+            self.dataset.set_epoch(epoch)
+        elif target is None:
+            raise StateError("set_epoch needs a packio dataset or a sampler with set_epoch")
+        if target is not None:
+            target.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         target = self.resumable
@@ -104,12 +106,11 @@ class DataLoader(torch.utils.data.DataLoader):
         if isinstance(target, PackedIterableDataset) and (target.batch_size or 1) != self._chunk:
             raise ValueError(f"the dataset's batch_size is now {target.batch_size}, this loader's is "
                              f"{self._chunk}: give each packio.DataLoader its own dataset")
-        p = self._pass = target._begin()
-        own = p.split.lengths()[p.split.rank]
+        cur = self._cursor = target.position.begin(self._chunk)
         for batch in super().__iter__():
-            p.taken = min(p.taken + self._chunk, own)
+            cur.advance(self._chunk)
             yield unpack(batch)
-        target._end(p)
+        target.position.end(cur)
 
     def state_dict(self) -> dict[str, Any]:
         """The global position after the batches yielded so far (JSON-safe, the same on every rank)."""
@@ -118,14 +119,14 @@ class DataLoader(torch.utils.data.DataLoader):
                              "the batches yielded are not a position to resume from; use in_order=True (the "
                              "default) for a loader whose state you save")
         target = self._target()
-        p = self._pass
-        if p is not None and p.generation == target._generation:
-            return target._state(p.consumed(), p.epoch)
+        cur = self._cursor
+        if cur is not None and target.position.live(cur):
+            return target.state_at(cur.epoch, cur.consumed())
         return target.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         target = self._target()
         target.load_state_dict(state)
-        self._pass = None
+        self._cursor = None
         log.info("resumed epoch %d at sample %d of %d (world size %s before, %d now)", state["epoch"],
-                 state["consumed"], target.length, state.get("world_size", "?"), target.world_size)
+                 state["consumed"], target.position.length, state.get("world_size", "?"), target.position.world)

@@ -1,0 +1,339 @@
+"""The decoder: indices of one reader → one :class:`Batch`, in stages with one job each.
+
+Read (the reader's contract: ``read_batch`` when the reader ``reads_batches``, else one
+``read`` per sample on the decode threads, so reading overlaps decoding) → verify
+(checksum) → decode → resize (into one fresh batch buffer when every output has one
+shape) → boxes (follow the resize) → transform; an error policy (raise or skip) and the
+process's decode threads around them. The epoch comes with each batch (read-time crops
+and flips are a function of it). Nothing here knows about ranks, workers or orders.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from packio import decode as dec
+from packio import geometry as geo
+from packio import limits
+from packio.errors import CorruptSampleError, DatasetReplacedError, PackioError, RemoteError
+from packio.formats.base import Reader, StoredBatch
+from packio.options import DecodeOptions
+from packio.read.batch import Batch, Item, batch_buffer, item, stack_images
+from packio.sample import Sample, checksum
+
+__all__ = ["Decoder", "DecodeThreads", "ErrorPolicy", "chw"]
+
+log = logging.getLogger("packio")
+Got = Sample | PackioError  # a stored sample, or the error reading it raised
+
+
+class ErrorPolicy:
+    """``on_error="raise"`` re-raises a sample's error; ``"skip"`` counts it, warns now and then,
+    and hands out ``None`` in its place. A replaced dataset or a failing remote is never one
+    bad sample: it always raises."""
+
+    def __init__(self, on_error: str) -> None:  # checked by DecodeOptions
+        self.on_error = on_error
+        self.count = 0
+
+    @staticmethod
+    def fatal(exc: PackioError) -> bool:
+        return isinstance(exc, (DatasetReplacedError, RemoteError))
+
+    def __call__(self, exc: PackioError) -> None:
+        if self.on_error == "raise" or self.fatal(exc):
+            raise exc
+        self.count += 1
+        if self.count == 1 or self.count % 100 == 0:
+            log.warning("packio: skipped %d corrupt sample(s) so far; latest: %s", self.count, exc)
+        return None
+
+
+_helpers: tuple[int, int, Any] | None = None  # (pid, threads, executor): this process's decode helpers
+
+
+def _helper_pool(count: int) -> Any:
+    """This process's one pool of decode helper threads, at least ``count``, shared by every
+    dataset (a mix of ten sources holds one pool); it only grows. A forked child makes its own."""
+    global _helpers
+    now = _helpers
+    if now is None or now[0] != os.getpid() or now[1] < count:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _helpers = (os.getpid(), count, ThreadPoolExecutor(count, thread_name_prefix="packio-decode"))
+        if now is not None and now[0] == os.getpid():
+            now[2].shutdown(wait=False)  # what it holds still runs; new work goes to the larger pool
+    return _helpers[2]
+
+
+class DecodeThreads:
+    """``count`` threads decode a batch (libjpeg-turbo and OpenCV release the GIL): ``count - 1``
+    helpers of the process's pool and the calling thread pull the next index from one shared
+    counter (one task per thread per batch, none idle while work is left). ``count=None``: as
+    many as torch's own CPU threads (``torch.get_num_threads()`` at each batch: every core in a
+    training process, 1 in a DataLoader worker, ``OMP_NUM_THREADS`` where a launcher set it)."""
+
+    def __init__(self, count: int | None) -> None:
+        self.count = count
+
+    def size(self) -> int:
+        """The threads a batch is shared by now (1: the calling thread alone)."""
+        return max(1, torch.get_num_threads() if self.count is None else self.count)
+
+    def map(self, fn: Callable[[int], Any], n: int) -> list[Any]:
+        count = min(self.size(), n)
+        if count <= 1:
+            return [fn(j) for j in range(n)]
+        out: list[Any] = [None] * n
+        todo = iter(range(n))  # next() on it is atomic under the GIL: each index goes to one thread
+
+        def drain() -> None:
+            try:
+                for j in todo:
+                    out[j] = fn(j)
+            except BaseException:  # the batch fails (Ctrl-C, an error): no thread takes another sample
+                for _ in todo:
+                    pass
+                raise
+
+        helpers = []
+        try:
+            pool = _helper_pool(count - 1)
+            for _ in range(count - 1):
+                helpers.append(pool.submit(drain))
+        except RuntimeError:  # the interpreter is exiting, or the pool was just replaced: this thread does the rest
+            pass
+        try:
+            drain()
+        finally:
+            for f in helpers:  # no helper may still write into `out`; one not started has nothing left
+                if not f.cancel():  # (and waiting for it could wait on this very thread: a nested batch)
+                    f.exception()
+        for f in helpers:
+            if not f.cancelled():
+                f.result()
+        return out
+
+
+def chw(hwc: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A CHW tensor view of HWC pixels (no copy; a read-only array is copied once)."""
+    if isinstance(hwc, np.ndarray):  # numpy's transpose, then one tensor: half the cost of a torch permute
+        return torch.from_numpy((hwc if hwc.flags.writeable and hwc.flags.c_contiguous else np.array(hwc))
+                                .transpose(2, 0, 1))
+    return hwc.permute(2, 0, 1)
+
+
+def _pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, out: np.ndarray | None = None) -> np.ndarray:
+    """``uint8[H, W, 3]`` of a stored sample, decoded strictly (libjpeg's "corrupt data"
+    warnings are damage, never made-up pixels); into ``out`` when they have its shape."""
+    if isinstance(s.payload, np.ndarray):  # raw formats store pixels
+        if out is None or out.shape != s.payload.shape:
+            return s.payload
+        np.copyto(out, s.payload)
+        return out
+    try:
+        return dec.decode(s.payload, backend=backend, min_size=min_size, strict=True, out=out)
+    except ValueError as exc:
+        raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
+
+
+def _room(s: Sample) -> np.ndarray | None:
+    """A fresh array of the size the record gives, for the image to be decoded into (a JPEG then
+    needs no separate header parse); None when the record gives none, one over the pixel limit,
+    or more than the process has room for (a record may claim far more than its image)."""
+    h, w = s.height, s.width
+    if isinstance(s.payload, np.ndarray) or h <= 0 or w <= 0 or h * w > limits.MAX_PIXELS:
+        return None
+    try:
+        return dec.pixel_room(h, w)
+    except MemoryError:
+        return None
+
+
+def _boxes_for(s: Sample, out_h: int, out_w: int) -> np.ndarray:
+    """The sample's boxes in the pixels of an ``out_h`` x ``out_w`` output: scaled from the
+    stored size, never from a decoded shape (a decode may use DCT downscaling)."""
+    if not len(s.boxes):
+        return geo.as_boxes(s.boxes)
+    try:
+        return geo.resize(s.boxes, dec.stored_hw(s.payload, s.encoding, s.width, s.height), (out_h, out_w))
+    except ValueError as exc:
+        raise CorruptSampleError(s.key, f"image size unreadable ({exc})") from None
+
+
+def _rows(stored: StoredBatch) -> list[Got]:
+    """A pixel block's rows as stored samples (for a resize or a transform)."""
+    cuts = np.cumsum(stored.counts)[:-1] if stored.counts is not None else []
+    h, w = stored.pixels.shape[1:3]
+    return [Sample(k, px, "raw", int(lab), bx, bl, w, h) for k, px, lab, bx, bl in
+            zip(stored.keys or [], stored.pixels, stored.labels if stored.labels is not None else [],
+                np.split(stored.boxes, cuts), np.split(stored.box_labels, cuts))]
+
+
+class Decoder:
+    """Stored samples → one :class:`Batch` (:meth:`read`) or one sample dict (:meth:`one`):
+    verify, decode, resize, boxes, transform, on :attr:`pool`'s threads, with :attr:`errors`."""
+
+    def __init__(self, options: DecodeOptions) -> None:
+        self.options = options  # checked when made
+        self.errors = ErrorPolicy(options.on_error)
+        self.threads = options.threads
+
+    @property
+    def threads(self) -> int | None:
+        return self.pool.count
+
+    @threads.setter
+    def threads(self, n: int | None) -> None:
+        """``n`` decode threads; by default one with a transform, which may draw random numbers:
+        it then sees the samples in order, on one thread."""
+        self.pool = DecodeThreads(1 if n is None and self.options.transform is not None else n)
+
+    def read(self, reader: Reader, indices: Any, epoch: int = 0) -> Batch:
+        """Samples ``indices`` of ``reader``, in ``epoch``, as one batch."""
+        idx = reader.check_indices(indices)
+        o = self.options
+        if not reader.reads_batches or (o.verify and (reader.manifest.image or {}).get("shape")):
+            return self.samples(idx, self._reads(reader, idx), epoch)  # a block has no checksums to verify
+        try:
+            stored = reader.read_batch(idx, self.pool)
+        except PackioError as exc:
+            if self.errors.fatal(exc):
+                raise  # never read again sample by sample: every sample would fail alike
+            return self.samples(idx, self._reads(reader, idx), epoch)  # finds the bad sample, applies on_error
+        if stored.pixels is None:
+            return self.samples(idx, (stored.samples or []).__getitem__, epoch)
+        shape = stored.pixels.shape[1:3]
+        if o.transform is None and (not o.decode or o.resize in (None, shape)):
+            return self.block(stored)
+        return self.samples(idx, _rows(stored).__getitem__, epoch)
+
+    def one(self, reader: Reader, i: int, epoch: int = 0) -> Item | None:
+        """Sample ``i`` (a checked index) as :meth:`read` would hand it in a batch, without the
+        batch; ``None`` when skipped as corrupt."""
+        try:
+            s = reader.read(i)
+            image, boxes = self.sample(s, i, epoch)
+        except PackioError as exc:
+            return self.errors(exc)
+        return item(image, int(s.label), torch.from_numpy(boxes),
+                    torch.from_numpy(np.array(s.box_labels, np.int64).reshape(-1)), s.key, i)
+
+    def sample(self, s: Sample, index: int, epoch: int, out: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
+        """``(image, boxes)`` of sample ``index`` stored as ``s``, read in ``epoch`` (boxes: a fresh
+        ``float32[N, 4]``). With ``out`` (a ``uint8[h, w, 3]`` row of the batch buffer) the pixels
+        go there and the image is ``None``, unless they do not fit it (an unresized image of
+        another size): then the image comes back on its own."""
+        o = self.options
+        if o.verify and s.checksum and checksum(s.payload) != s.checksum:
+            raise CorruptSampleError(s.key, "checksum mismatch")
+        if not o.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
+            return (chw(s.payload) if isinstance(s.payload, np.ndarray) else s.payload), geo.as_boxes(s.boxes)
+        # Issue 39 (read-time crops and flips) goes here: a geometry plan (crop window + flip), a
+        # pure function of (o, epoch, index, stored size), applied to the decode, the resize and the boxes.
+        if o.resize is not None:
+            img = dec.resize(_pixels(s, o.backend, o.resize), o.resize, out=out)
+        else:
+            img = _pixels(s, o.backend, None, out=_room(s) if out is None else out)
+        image = None
+        if out is None or img is not out:
+            image = chw(np.ascontiguousarray(img))
+            if o.transform is not None:
+                image = o.transform(image)
+        return image, _boxes_for(s, img.shape[0], img.shape[1])
+
+    @staticmethod
+    def block(stored: StoredBatch) -> Batch:
+        """A fixed-shape raw format's pixel block and columns, as they are (fresh arrays)."""
+        return Batch(torch.from_numpy(stored.pixels).permute(0, 3, 1, 2), torch.from_numpy(stored.labels),
+                     torch.from_numpy(stored.boxes), torch.from_numpy(stored.box_labels),
+                     stored.counts.tolist(), list(stored.keys or []), torch.from_numpy(stored.index.astype(np.int64)))
+
+    def _shape(self, first: Got | None, n: int) -> tuple[int, int] | None:
+        """``(h, w)`` of the one buffer a batch of ``n`` starting with ``first`` is decoded into:
+        the resize target; unresized, the first image's size from its header (an image of another
+        size comes out on its own). None with a transform, with nothing to decode, when the first
+        sample is unreadable, or when ``n`` images of its size would be over the pixel limit (one
+        header must not make every sample of the batch cost that much)."""
+        o = self.options
+        if not o.decode or o.transform is not None:
+            return None
+        if o.resize is not None:
+            return o.resize
+        if not isinstance(first, Sample):
+            return None
+        try:
+            h, w = dec.stored_hw(first.payload, first.encoding, 0, 0)
+            dec.check_pixels(w, h * n)
+        except ValueError:
+            return None
+        return h, w
+
+    def _reads(self, reader: Reader, idx: np.ndarray) -> Callable[[int], Got]:
+        """Sample ``j`` of the batch, read on its own by the decode thread that decodes it (one
+        read at a time): reading overlaps the other threads' decoding."""
+        lock = threading.Lock()
+
+        def read(j: int) -> Got:
+            with lock:
+                try:
+                    return reader.read(int(idx[j]))
+                except PackioError as exc:
+                    return exc
+
+        return read
+
+    def samples(self, idx: np.ndarray, sample: Callable[[int], Got], epoch: int) -> Batch:
+        """Decode sample ``j`` = ``sample(j)`` of the batch on the decode threads, into one fresh
+        ``[B, H, W, 3]`` buffer when the outputs have one shape (no image of its own per
+        sample, no stacking copy)."""
+        n = len(idx)
+        first = sample(0) if n else None
+        shape = self._shape(first, n)
+        buf = batch_buffer((n, *shape, 3)) if shape is not None else None
+        rows = buf.numpy() if buf is not None else None
+
+        def one(j: int) -> tuple[Sample, Any, np.ndarray] | PackioError:
+            s = first if j == 0 else sample(j)
+            if isinstance(s, PackioError):
+                if self.errors.fatal(s):
+                    raise s  # the batch fails now: no other thread takes another sample
+                return s
+            fits = rows is not None and (self.options.resize is not None or (s.height, s.width) in (shape, (0, 0)))
+            try:
+                return (s, *self.sample(s, int(idx[j]), epoch, rows[j] if rows is not None and fits else None))
+            except PackioError as exc:
+                return exc
+
+        got = [self.errors(r) if isinstance(r, PackioError) else r for r in self.pool.map(one, n)]
+        return self._batch(idx, got, buf)
+
+    @staticmethod
+    def _batch(idx: np.ndarray, got: list[tuple[Sample, Any, np.ndarray] | None], buf: torch.Tensor | None) -> Batch:
+        """One :class:`Batch` of the decoded samples (``None``: skipped). A skipped sample's row of
+        the buffer is zeros: not the buffer's old memory, nor a partial decode."""
+        kept = [r is not None for r in got]
+        views = buf.permute(0, 3, 1, 2) if buf is not None else None
+        for j in (j for j, k in enumerate(kept) if not k and buf is not None):
+            buf[j] = 0
+        own = [r[1] if r is not None else None for r in got]
+        if views is not None and all(im is None for im in own):
+            images: Any = views
+        else:
+            images = [views[j] if im is None and ok and views is not None else im
+                      for j, (im, ok) in enumerate(zip(own, kept))]
+            images = stack_images(images) if all(kept) else images
+        ok = [r for r in got if r is not None]
+        boxes = [np.asarray(r[2], np.float32).reshape(-1, 4) for r in ok]
+        box_labels = [np.asarray(r[0].box_labels, np.int64).reshape(-1) for r in ok]
+        return Batch(images, torch.tensor([r[0].label if r else -1 for r in got], dtype=torch.int64),
+                     torch.from_numpy(np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)),
+                     torch.from_numpy(np.concatenate(box_labels) if box_labels else np.zeros(0, np.int64)),
+                     [len(r[2]) if r else 0 for r in got], [r[0].key if r else "" for r in got],
+                     torch.tensor(idx, dtype=torch.int64), kept)

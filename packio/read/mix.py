@@ -1,0 +1,342 @@
+"""Weighted mixing: several sources streamed as one, and itself a source like any other.
+
+A mix epoch of ``epoch_samples`` samples takes exactly ``counts[s]`` from source ``s`` (the
+weights' shares, computed with integers and rounded by largest remainder: each within 1 of
+exact, summing exactly). Positions are planned chunk by chunk (:class:`Plan`): source ``s``
+has drawn ``(counts[s] * x + phase[s]) // epoch_samples`` samples before chunk boundary ``x``
+(a seeded phase per epoch and source), and each chunk's draws are shuffled, so every window
+of the epoch holds each source's share within one sample per chunk, and any position is
+found without an array of the epoch's length. Draw ``d`` of source ``s`` is position
+``d % len(s)`` of the source's own epoch ``d // len(s)``: each source's samples come once per
+source epoch, reshuffled when exhausted. Everything is a pure function of (seed, epoch), so a
+mix is dealt to ranks and workers, and resumes on any world size, as any iterable dataset.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from packio.errors import StateError
+from packio.options import DecodeOptions, check_int, merge_options
+from packio.read.batch import Batch, Item, merge
+from packio.read.datasets import Packed, PackedDataset, PackedIterableDataset, Source, open_dataset
+from packio.read.decoder import Decoder
+
+__all__ = ["mix", "MixedDataset", "Mix", "Plan", "shares"]
+
+_MIX, _SOURCE, _PICK = 1, 2, 3  # distinct seed streams: the plan of a mix epoch, a source's epochs, picks
+CHUNK = 1024  # positions per chunk of the plan (at least the number of sources)
+MIX_VERSION = 2  # 2: chunked plan (older mixes drew in another order)
+MAX_SAMPLES = 1 << 62
+
+
+def shares(weights: Sequence[float] | None, lengths: list[int], epoch_samples: int | None) -> list[int]:
+    """Samples per source in one mix epoch: ``weights`` (default: the sources' lengths) scaled to
+    ``epoch_samples`` (default: all the sources' samples), largest remainder first (ties to the
+    earlier source). Exact: weights become integer fractions, so any finite weights work."""
+    total = sum(lengths) if epoch_samples is None else check_int("epoch_samples", epoch_samples, 1)
+    if total > MAX_SAMPLES:
+        raise ValueError(f"epoch_samples must be at most 2**62, not {total}")
+    w = list(lengths) if weights is None else list(weights)
+    if len(w) != len(lengths):
+        raise ValueError(f"{len(w)} weights for {len(lengths)} sources: give one weight per source")
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w) \
+            or not any(x > 0 for x in w):
+        raise ValueError(f"weights must be finite numbers >= 0 with a positive sum, not {w!r}")
+    exact = _exact(w)
+    scale = math.lcm(*(f.denominator for f in exact))
+    ints = [int(f * scale) for f in exact]
+    counts, rest = zip(*(divmod(x * total, sum(ints)) for x in ints))
+    counts = list(counts)
+    for s in sorted(range(len(w)), key=lambda s: -rest[s])[: total - sum(counts)]:
+        counts[s] += 1
+    empty = [s for s, (c, n) in enumerate(zip(counts, lengths)) if c and not n]
+    if empty:
+        raise ValueError(f"source(s) {empty} hold no samples but have a positive weight: drop them or weigh them 0")
+    return counts
+
+
+def _exact(weights: Sequence[Any]) -> list[Fraction]:
+    return [Fraction(x) if isinstance(x, numbers.Rational) else Fraction(float(x)) for x in weights]
+
+
+class Plan:
+    """Which source each position of a mix epoch draws from, and how many draws of that source
+    come before it: computed one chunk of ``CHUNK`` positions at a time (memory and time per
+    batch, not per epoch). Chunk ``j`` holds positions ``[start(j), start(j + 1))``, which lie
+    within ``len(counts)`` of ``j * CHUNK``."""
+
+    def __init__(self, counts: list[int], seed: int) -> None:
+        self.counts, self.n, self.seed = counts, sum(counts), seed
+        self.k = max(CHUNK, len(counts))
+        self._chunks: dict[tuple[int, int], tuple[list[int], np.ndarray, np.ndarray]] = {}
+
+    def before(self, epoch: int, j: int) -> list[int]:
+        """Draws of each source before chunk ``j``."""
+        phase = np.random.default_rng([self.seed, _MIX, epoch]).integers(0, self.n, len(self.counts)).tolist()
+        x = min(j * self.k, self.n)
+        return [(c * x + r) // self.n for c, r in zip(self.counts, phase)]
+
+    def chunk(self, epoch: int, j: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """(draws before chunk ``j``, the source of each of its positions, each one's draw
+        number within its source in the chunk)."""
+        got = self._chunks.get((epoch, j))
+        if got is None:
+            a, b = self.before(epoch, j), self.before(epoch, j + 1)
+            n = np.subtract(b, a)
+            src = np.random.default_rng([self.seed, _MIX, epoch, j]).permutation(np.repeat(np.arange(len(n)), n))
+            at = np.argsort(src, kind="stable")
+            within = np.empty(len(src), np.int64)
+            within[at] = np.arange(len(src)) - np.repeat(np.cumsum(n) - n, n)
+            if len(self._chunks) >= 8:
+                self._chunks.clear()
+            got = self._chunks[(epoch, j)] = (a, src, within)
+        return got
+
+    def find(self, epoch: int, p: int) -> int:
+        """The chunk holding position ``p``."""
+        j = p // self.k
+        return j if sum(self.before(epoch, j)) <= p else j - 1
+
+    def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draws of that source in this epoch before it) of each position."""
+        src, drawn = np.empty(len(positions), np.int64), np.empty(len(positions), np.int64)
+        guess = positions // self.k
+        firsts = np.unique(guess)
+        starts = np.array([sum(self.before(epoch, j)) for j in firsts.tolist()], np.int64)
+        chunk = guess - (positions < starts[np.searchsorted(firsts, guess)])
+        for j in np.unique(chunk).tolist():
+            rows = np.flatnonzero(chunk == j)
+            a, s, within = self.chunk(epoch, j)
+            o = positions[rows] - sum(a)
+            src[rows], drawn[rows] = s[o], np.asarray(a, np.int64)[s[o]] + within[o]
+        return src, drawn
+
+    def taken(self, epoch: int, consumed: int) -> list[int]:
+        """Draws of each source in the first ``consumed`` positions of ``epoch``."""
+        if consumed >= self.n:
+            return list(self.counts)
+        a, s, _ = self.chunk(epoch, self.find(epoch, consumed))
+        return [x + int(np.count_nonzero(s[:consumed - sum(a)] == k)) for k, x in enumerate(a)]
+
+
+def _split(base: int, rel: np.ndarray, size: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """``base + rel`` (``base`` may pass int64) as ``(hi + lo // size, .. % size)``: (hi, lo // size, lo % size)."""
+    lo = base % size + rel
+    return base // size, lo // size, lo % size
+
+
+class Mix(Source):
+    """Sources mixed by weight (see the module): ids are ``offsets[s] + the source's id``."""
+
+    def __init__(self, sources: list[Source], names: list[str], weights: Sequence[float] | None, *,
+                 epoch_samples: int | None, seed: int, replacement: bool, window: int,
+                 options: DecodeOptions) -> None:
+        if not isinstance(replacement, bool):
+            raise TypeError(f"replacement must be True or False, not {replacement!r}")
+        self.sources, self.names, self.options, self.name = sources, names, options, " + ".join(names)
+        self.seed, self.replacement, self.window = check_int("seed", seed, 0), replacement, check_int("window", window, 1)
+        self.lengths = [len(s) for s in sources]
+        self.counts = shares(weights, self.lengths, epoch_samples)
+        exact = _exact(self.lengths if weights is None else weights)  # as given: any scale
+        self.weights = [float(x / sum(exact)) for x in exact]
+        self.plan_ = Plan(self.counts, self.seed)
+        self.offsets = np.cumsum([0] + [s.space for s in sources]).tolist()
+        self.space, self.streams = self.offsets[-1], any(s.streams for s in sources)
+        self.classes, self.class_map = _union([s.classes for s in sources])
+        self.box_classes, self.box_map = _union([s.box_classes for s in sources])
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def _picks(self, s: int, first: int, rel: np.ndarray) -> np.ndarray:
+        """Source ``s``'s positions of its draws ``first + rel``: in order, or uniform picks."""
+        size = self.lengths[s]
+        if not self.replacement:
+            return _split(first, rel, size)[2]
+        hi, blocks, at = _split(first, rel, CHUNK)
+        out = np.empty(len(rel), np.int64)
+        for b in np.unique(blocks).tolist():
+            row = blocks == b
+            out[row] = np.random.default_rng([self.seed, _PICK, s, hi + b]).integers(0, size, CHUNK)[at[row]]
+        return out
+
+    def ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        src, drawn = self.plan_.locate(epoch, positions)
+        out = np.empty(len(positions), np.int64)
+        for s in np.unique(src).tolist():
+            rows = np.flatnonzero(src == s)
+            first = epoch * self.counts[s]
+            hi, epochs, _ = _split(first, drawn[rows], self.lengths[s])
+            at = self._picks(s, first, drawn[rows])
+            for e in np.unique(epochs).tolist():
+                sel = epochs == e
+                out[rows[sel]] = self.offsets[s] + self.sources[s].ids(hi + e, at[sel])
+        return out
+
+    def _which(self, ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.offsets, ids, side="right") - 1
+
+    def read(self, ids: np.ndarray, epoch: int) -> Batch:
+        """One batch in the order of ``ids``: each source reads its part in one go."""
+        ids = np.asarray(ids, np.int64)
+        src = self._which(ids)
+        parts = []
+        for s in np.unique(src).tolist():
+            rows = np.flatnonzero(src == s)
+            b = self.sources[s].read(ids[rows] - self.offsets[s], epoch)
+            b.label, b.box_labels = _relabel(b.label, self.class_map[s]), _relabel(b.box_labels, self.box_map[s])
+            parts.append((rows, b))
+        return merge(parts, src)
+
+    def one(self, i: int, epoch: int) -> Item | None:
+        s = int(self._which(np.array([i]))[0])
+        got = self.sources[s].one(i - self.offsets[s], epoch)
+        if got is not None:
+            got["label"] = int(_relabel(torch.tensor([got["label"]]), self.class_map[s])[0])
+            got["box_labels"] = _relabel(got["box_labels"], self.box_map[s])
+            got["source"] = s
+        return got
+
+    def plan(self, ids: np.ndarray) -> None:
+        """Each source is told the part of ``ids`` it will read, in order."""
+        src = self._which(ids)
+        for s, source in enumerate(self.sources):
+            if source.streams:
+                source.plan(ids[src == s] - self.offsets[s])
+
+    def identity(self) -> dict[str, Any]:
+        """What makes this mix's order (names aside: a copy moved to a bucket keeps its place)."""
+        return {"version": MIX_VERSION, "sources": [s.identity() for s in self.sources],
+                "weights": self.weights, "counts": self.counts, "replacement": self.replacement, "window": self.window}
+
+    def order_state(self) -> dict[str, Any]:
+        return {"seed": self.seed, "shuffle": True, "window": self.window, "mix": self.identity()}
+
+    def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
+        """Each source's position after ``consumed`` samples of mix epoch ``epoch``: its ``draws``
+        so far and (without replacement) its own ``epoch`` and ``position`` in it, nested."""
+        out = []
+        for s, (taken, c, size) in enumerate(zip(self.plan_.taken(epoch, consumed), self.counts, self.lengths)):
+            d = epoch * c + taken
+            pos = {} if self.replacement or not size else {"epoch": d // size, "position": d % size}
+            inner = self.sources[s].state_at(d // size, d % size) if pos else {}
+            out.append({"name": self.names[s], "draws": d, **pos, **inner})
+        return {"sources": out}
+
+    def load_state_dict(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
+        saved = state.get("mix")
+        if not isinstance(saved, dict) or saved.get("version") != MIX_VERSION:
+            raise StateError("this mix state was saved by an older packio, whose mixes drew in another order: it "
+                             "cannot resume this mix exactly; start the epoch again with set_epoch()")
+        want = self.identity()
+        for name in want:
+            if saved.get(name) != want[name]:
+                raise StateError(f"this state was saved by another mix: its {name} {saved.get(name)!r} differ from "
+                                 f"this mix's {want[name]!r}; resume with the same sources, weights, epoch_samples, "
+                                 f"seed and replacement")
+        if _unnamed(state.get("sources")) != _unnamed(self.state_at(epoch, consumed)["sources"]):
+            raise StateError("this state's source positions do not follow from its mix position: it was edited "
+                             "or saved by another packio; start the epoch again with set_epoch()")
+
+    def decoders(self) -> list[Decoder]:
+        return [d for s in self.sources for d in s.decoders()]
+
+
+def _union(lists: list[list[str]]) -> tuple[list[str], list[list[int]]]:
+    """One name list for all (first seen first: source 0's ids stay its own) and each list's ids in it."""
+    ids: dict[str, int] = {}
+    maps = [[ids.setdefault(name, len(ids)) for name in names] for names in lists]
+    return list(ids), maps
+
+
+def _relabel(labels: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """A source's class ids as the mix's (-1, no class, and ids the source does not name: -1)."""
+    table = torch.tensor([*ids, -1], dtype=torch.int64)
+    return table[torch.where((labels >= 0) & (labels < len(ids)), labels, len(ids))]
+
+
+def _unnamed(positions: Any) -> Any:
+    """Source positions without the names, nested (a moved copy keeps its position)."""
+    if not isinstance(positions, list) or not all(isinstance(x, dict) for x in positions):
+        return positions
+    return [{k: _unnamed(v) if k == "sources" else v for k, v in x.items() if k != "name"} for x in positions]
+
+
+def _source(src: Any, k: int, seed: int, window: int, options: DecodeOptions) -> tuple[Source, str]:
+    """Source ``k`` of a mix and its name: an inner mix as it is (its own order); a packio dataset
+    (its own decode options) or a path / URL (opened with the mix's) in an order seeded by the mix."""
+    if isinstance(src, (str, Path)):
+        src = open_dataset(src, options=options)
+    if isinstance(src, PackedIterableDataset) and not isinstance(src.source, Packed):
+        return src.source, src.path
+    if isinstance(src, PackedIterableDataset):
+        reader, decoder = src.source.reader, src.source.decoder
+    elif isinstance(src, PackedDataset):
+        reader, decoder = src.reader, src.decoder
+    else:
+        raise TypeError(f"a mix source is a path, a URL or a packio dataset, not {type(src).__name__}")
+    own = int(np.random.SeedSequence([seed, _SOURCE, k]).generate_state(1)[0])
+    return Packed(reader, decoder, shuffle=True, seed=own, window=window), src.path
+
+
+class MixedDataset(PackedIterableDataset):
+    """Several packio datasets streamed as one, by weight (see :func:`mix`). It is a
+    :class:`PackedIterableDataset` in every other way: split over ranks and DataLoader workers,
+    ``even``, ``batch_size``, ``set_epoch``, and a state that resumes on any world size and
+    ``num_workers`` (``packio.DataLoader``'s too). ``classes``: one list for the whole mix."""
+
+    kind = "mix"
+
+    def __init__(self, sources: Sequence[Any], weights: Sequence[float] | None = None, *,
+                 epoch_samples: int | None = None, seed: int = 0, replacement: bool = False,
+                 batch_size: int | None = 1, window: int = 8, rank: int | None = None,
+                 world_size: int | None = None, even: str | None = "pad", options: DecodeOptions | None = None,
+                 **fields: Any) -> None:
+        if isinstance(sources, (str, Path)) or not len(sources):
+            raise ValueError("mix() takes a list of sources (paths, URLs or packio datasets)")
+        options = merge_options(DecodeOptions, options, fields, type(self).__name__)
+        seed, window = check_int("seed", seed, 0), check_int("window", window, 1)
+        opened = [_source(s, k, seed, window, options) for k, s in enumerate(sources)]
+        self.mix = Mix([s for s, _ in opened], [name for _, name in opened], weights, epoch_samples=epoch_samples,
+                       seed=seed, replacement=replacement, window=window, options=options)
+        super().__init__(self.mix, batch_size=batch_size, rank=rank, world_size=world_size, even=even)
+
+    @property
+    def class_map(self) -> list[list[int]]:
+        """Per source, its class ids as ids of :attr:`classes` (``class_map[s][label]``)."""
+        return self.mix.class_map
+
+    def positions(self, epoch: int, consumed: int) -> list[dict[str, Any]]:
+        """Each source's position after ``consumed`` samples of mix epoch ``epoch`` (see the state)."""
+        return self.mix.state_at(epoch, consumed)["sources"]
+
+
+def mix(sources: Sequence[Any], weights: Sequence[float] | None = None, *, epoch_samples: int | None = None,
+        seed: int = 0, replacement: bool = False, **kwargs: Any) -> MixedDataset:
+    """Stream several packio datasets as one, by weight: a :class:`MixedDataset`.
+
+    ``sources``: paths, URLs (opened with the decode keywords given here), opened packio datasets
+    (their own decode options; give them one ``resize`` so a batch stacks into one tensor) or
+    other mixes (nested: a mix is a source like any other). ``weights``: one per source, any
+    finite numbers >= 0 of any scale (default: the sources' lengths; a mix's length is its
+    ``epoch_samples``). ``epoch_samples``: samples per mix epoch (default: all the sources'
+    samples together); each source gets its weight's share, rounded to whole samples by largest
+    remainder (each within 1 of exact, summing exactly), spread evenly over the epoch.
+    Each source is read without replacement within its own epochs, reshuffled when exhausted;
+    ``replacement=True`` picks each of a source's samples uniformly at random instead (repeats
+    and misses within an epoch). Labels are ids of the mix's one class list, ``classes`` (the
+    union of the sources' class names, first seen first: source 0 keeps its ids; the same name
+    in two sources is one class); ``class_map[s]`` maps source ``s``'s ids to it, and box labels
+    likewise (``box_classes``). Every sample carries ``source`` (its source's position in
+    ``sources``), and batches a ``source`` column. ``kwargs``: ``batch_size``, ``window``,
+    ``rank``, ``world_size``, ``even`` and decode options, as for :class:`PackedIterableDataset`.
+    """
+    return MixedDataset(sources, weights, epoch_samples=epoch_samples, seed=seed, replacement=replacement, **kwargs)
