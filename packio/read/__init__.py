@@ -3,3 +3,5 @@
 policy) · ``datasets`` (thin map-style and iterable datasets over reader + decoder +
 positions) · ``mix`` (a source like any other) · ``loader`` (``packio.DataLoader``).
 Every resumable stage has ``state_dict()`` / ``load_state_dict()`` in public."""
+
+__all__: list[str] = []

@@ -1,12 +1,10 @@
 """Thin PyTorch datasets over reader + decoder + positions.
 
 :class:`PackedDataset` (map-style) reads what it is asked for. :class:`PackedIterableDataset`
-streams a :class:`Source` (a packed dataset's reader and decoder in a seeded order,
-:class:`Packed`; or a mix of sources, ``packio.read.mix``), split over DDP ranks and
-DataLoader workers by its :class:`~packio.read.positions.Position`. Rank and world size are
-resolved where the dataset is built and travel to workers inside the pickled object; the
-epoch and resume position reach every worker through shared memory. Resume states are
-global positions, so they continue on any number of ranks and workers.
+streams a :class:`Source` (:class:`Packed`: a dataset's reader and decoder in a seeded order; or
+a ``packio.read.mix.Mix``) dealt to DDP ranks and DataLoader workers by its ``Position``. Rank
+and world size travel to workers inside the pickled object; the epoch and resume position
+through shared memory.
 """
 
 from __future__ import annotations
@@ -24,8 +22,8 @@ from packio.formats.base import Reader
 from packio.options import DecodeOptions, check_int, merge_options
 from packio.read.batch import Batch, Item
 from packio.read.decoder import Decoder
-from packio.read.positions import (Cursor, Position, SharedPosition, check_flags, epoch_order, make_state,
-                                   read_state, units_digest, worker_batches, worker_share)
+from packio.read.positions import (Cursor, Position, SharedPosition, epoch_order, make_state, read_state,
+                                   units_digest, worker_batches)
 from packio.sample import Sample
 
 __all__ = ["Source", "Packed", "PackedDataset", "PackedIterableDataset", "open_dataset", "format_classes"]
@@ -34,60 +32,50 @@ WORKER_STATE = "packio_worker_state"
 
 
 class Source(ABC):
-    """What an iterable dataset streams: an epoch of ``len(self)`` samples in a seeded order,
-    each sample an id in ``range(self.space)``, read into one :class:`Batch`. Its state (what
-    fixes the order, and where its parts stand) nests: a mix's holds its sources'."""
+    """What an iterable dataset streams: an epoch of ``len(self)`` samples in a seeded order, each an
+    id in ``range(space)`` (``ids``: those at some positions of an epoch), read into one
+    :class:`Batch` (``read``) or one dict (``one``); ``plan`` tells streaming readers the ids ahead;
+    ``order_state`` is what fixes the order, ``identity`` what it is (for a mix's state); its
+    state nests (``state_at``, ``load_state_dict``: a mix's holds its sources')."""
 
     space: int
-    streams: bool  # its reader(s) want the process's sequence ahead (:meth:`plan`)
+    streams: bool
     options: DecodeOptions
     name: str
     classes: list[str]
     box_classes: list[str]
-
     @abstractmethod
     def __len__(self) -> int: ...
-
     @abstractmethod
-    def ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        """The ids at ``positions`` of ``epoch``'s order."""
-
+    def ids(self, epoch: int, positions: np.ndarray) -> np.ndarray: ...
     @abstractmethod
-    def read(self, ids: np.ndarray, epoch: int) -> Batch: ...
-
+    def read(self, ids: Any, epoch: int) -> Batch: ...
     @abstractmethod
     def one(self, i: int, epoch: int) -> Item | None: ...
-
     @abstractmethod
-    def plan(self, ids: np.ndarray) -> None:
-        """Tell the reader(s) the ids this process will read, in order."""
-
+    def plan(self, ids: np.ndarray) -> None: ...
     @abstractmethod
-    def order_state(self) -> dict[str, Any]:
-        """What fixes the order (JSON-safe): a state must match it to resume."""
-
-    def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
-        """Where its parts stand after ``consumed`` samples of ``epoch`` (a mix: its sources)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
-        """Check what :meth:`state_at` saved; a :class:`StateError` when it does not follow."""
-
+    def order_state(self) -> dict[str, Any]: ...
     @abstractmethod
-    def identity(self) -> dict[str, Any]:
-        """What it is, for a mix's state: a dataset's id and length; a mix's sources and weights."""
-
+    def identity(self) -> dict[str, Any]: ...
     @abstractmethod
     def decoders(self) -> list[Decoder]: ...
 
+    def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
+        return None
+
 
 class Packed(Source):
-    """One packed dataset as a source: its reader and decoder, in a seeded order of its own
-    (quasi-random over ``window`` of its units at a time, see ``epoch_order``)."""
+    """A packed dataset as a source: its reader and decoder, in a seeded order (see ``epoch_order``)."""
 
     def __init__(self, reader: Reader, decoder: Decoder, *, shuffle: bool, seed: int, window: int) -> None:
         self.reader, self.decoder, self.options, self.name = reader, decoder, decoder.options, str(reader.path)
-        self.shuffle, self.seed = check_flags(shuffle, seed)
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be True or False, not {shuffle!r}")
+        self.shuffle, self.seed = shuffle, check_int("seed", seed, 0)
         self.window = check_int("window", window, 1)
         self.space, self.streams = len(reader), reader.streams
         self.classes, self.box_classes = list(reader.manifest.classes), reader.manifest.box_class_names()
@@ -105,7 +93,7 @@ class Packed(Source):
     def ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         return self.order(epoch)[positions]
 
-    def read(self, ids: np.ndarray, epoch: int) -> Batch:
+    def read(self, ids: Any, epoch: int) -> Batch:
         return self.decoder.read(self.reader, ids, epoch)
 
     def one(self, i: int, epoch: int) -> Item | None:
@@ -115,10 +103,8 @@ class Packed(Source):
         self.reader.plan(ids)
 
     def order_state(self) -> dict[str, Any]:
-        """Seed, shuffle, window, and the dataset (manifest id) and order units it reads."""
-        units = units_digest(self.reader.units())
         return {"seed": self.seed, "shuffle": self.shuffle, "window": self.window, "dataset": self.reader.manifest.id,
-                "units": units}
+                "units": units_digest(self.reader.units())}
 
     def identity(self) -> dict[str, Any]:
         return {"id": self.reader.manifest.id or self.name, "length": self.space}
@@ -146,48 +132,64 @@ def _open(path: str | Path | Reader, owner: type, format_name: str | None) -> Re
     return reader
 
 
-class PackedDataset(Dataset):
-    """Random access to a packed dataset: ``ds[i]`` → dict with ``image`` (``uint8`` CHW tensor;
-    with ``decode=False`` the stored bytes, or for pre-resized raw formats the stored pixels as a
-    CHW tensor), ``label``, ``boxes`` (``float32[N, 4]`` xyxy), ``box_labels``, ``key``, ``index``.
+class Reading:
+    """What both datasets share: a :class:`Source` and what it tells (classes, decode threads)."""
 
-    ``options=packio.DecodeOptions(...)`` and/or its fields as keywords (``decode``, ``resize``,
-    ``transform``, ``backend``, ``on_error``, ``verify``, ``threads``; a keyword wins).
-    ``resize=224`` or ``(h, w)`` squashes to that shape, aspect not kept (boxes follow).
-    ``on_error="skip"``: ``None`` for a corrupt sample (``packio.collate`` drops it).
-    ``threads=N``: each batch decoded on N threads where it is read (default: torch's CPU
-    thread count there). ``__getitems__`` (what torch's DataLoader calls with a batch's
-    indices) reads the batch in one go: a list-like :class:`Batch` of sample dicts that any
-    collate function takes. ``set_epoch`` (``packio.DataLoader`` forwards it) gives the decoder
-    the epoch, in DataLoader workers too. Handles open lazily in each process."""
-
-    format_name: str | None = None
-
-    def __init__(self, path: str | Path | Reader, *, options: DecodeOptions | None = None, **fields: Any) -> None:
-        self.reader = _open(path, type(self), self.format_name)
-        self.options = merge_options(DecodeOptions, options, fields, type(self).__name__)
-        self.decoder = Decoder(self.options)
-        self.path = str(path)
-        self.shared_epoch = SharedPosition()
+    source: Source
 
     @property
-    def classes(self) -> list[str]:
-        """Image class names: what ``label`` indexes."""
-        return list(self.reader.manifest.classes)
+    def options(self) -> DecodeOptions:
+        return self.source.options
 
     @property
-    def box_classes(self) -> list[str]:
-        """Box class names: what ``box_labels`` index."""
-        return self.reader.manifest.box_class_names()
+    def classes(self) -> list[str]:  # image class names: what ``label`` indexes
+        return list(self.source.classes)
 
     @property
-    def threads(self) -> int | None:
-        """Decode threads per batch (``None``: torch's CPU thread count)."""
+    def box_classes(self) -> list[str]:  # box class names: what ``box_labels`` index
+        return list(self.source.box_classes)
+
+    @property
+    def threads(self) -> int | None:  # decode threads per batch (None: torch's CPU thread count)
         return self.decoder.threads
 
     @threads.setter
     def threads(self, n: int | None) -> None:
-        self.decoder.threads = n
+        for d in self.source.decoders():
+            d.threads = n
+
+    @property
+    def decoder(self) -> Decoder:
+        return self.source.decoders()[0]
+
+    @property
+    def reader(self) -> Reader:
+        if not isinstance(self.source, Packed):
+            raise AttributeError(f"a {type(self).__name__} reads several datasets: see its sources")
+        return self.source.reader
+
+    def sample(self, i: int) -> Sample:
+        """The stored sample itself (payload and record), undecoded."""
+        return self.reader.read(i)
+
+
+class PackedDataset(Reading, Dataset):
+    """Random access to a packed dataset: ``ds[i]`` → ``image`` (``uint8`` CHW tensor; ``decode=False``:
+    the stored bytes, or a raw format's pixels as CHW), ``label``, ``boxes`` (``float32[N, 4]`` xyxy),
+    ``box_labels``, ``key``, ``index``. ``options=packio.DecodeOptions(...)`` and/or its fields as
+    keywords (a keyword wins): ``resize=224`` or ``(h, w)`` squashes to that shape (boxes follow);
+    ``on_error="skip"``: ``None`` for a corrupt sample; ``threads=N`` decode threads per batch.
+    ``__getitems__`` (torch's DataLoader calls it with a batch's indices) reads the batch in one go:
+    a list-like :class:`Batch` any collate function takes. ``set_epoch`` (``packio.DataLoader``
+    forwards it) gives the decoder the epoch, in workers too. Handles open lazily per process."""
+
+    format_name: str | None = None
+
+    def __init__(self, path: str | Path | Reader, *, options: DecodeOptions | None = None, **fields: Any) -> None:
+        reader = _open(path, type(self), self.format_name)
+        decoder = Decoder(merge_options(DecodeOptions, options, fields, type(self).__name__))
+        self.source = Packed(reader, decoder, shuffle=False, seed=0, window=1)
+        self.path, self.shared_epoch = str(path), SharedPosition()
 
     @property
     def epoch(self) -> int:
@@ -197,37 +199,27 @@ class PackedDataset(Dataset):
         self.shared_epoch.set(check_int("epoch", epoch, 0), 0)
 
     def __len__(self) -> int:
-        return len(self.reader)
+        return self.source.space
 
     def __getitem__(self, i: int) -> Item | None:
-        return self.decoder.one(self.reader, self.reader.check_index(i), self.epoch)
+        return self.source.one(self.reader.check_index(i), self.epoch)
 
     def __getitems__(self, indices: list[int]) -> Batch:
-        """The batch, read in one go: a list-like :class:`Batch` of sample dicts (``None`` for a
-        skipped one) that any collate function takes."""
-        return self.decoder.read(self.reader, indices, self.epoch)
-
-    def sample(self, i: int) -> Sample:
-        """The stored sample itself (payload bytes/array and record), undecoded."""
-        return self.reader.read(i)
+        return self.source.read(indices, self.epoch)
 
 
-class PackedIterableDataset(IterableDataset):
-    """Streams a packed dataset (or a :class:`Source`), split across DDP ranks and DataLoader workers.
+class PackedIterableDataset(Reading, IterableDataset):
+    """Streams a packed dataset (or any :class:`Source`), split across DDP ranks and DataLoader workers.
 
-    Every sample once per epoch across ranks and workers, plus with ``even="pad"`` (default) the
-    first samples of the rest of the epoch repeated on the last step so every rank gets the same
-    count (a rank with one batch fewer would hang DDP's all-reduce); ``"drop"`` leaves the last
-    ``< world_size`` out; ``None`` keeps each sample exactly once. ``shuffle`` is seeded and
-    changes with :meth:`set_epoch`; the order is quasi-random over ``window`` blocks/shards at a
-    time so reads stay sequential, and does not depend on the world size.
-
-    ``batch_size`` must be the DataLoader's (``packio.DataLoader`` sets it; ``None`` for a loader
-    with ``batch_size=None``): each worker then makes whole batches and the loader yields the
-    rank's sequence in order. With ``on_error="skip"`` a skipped sample is a ``None`` in its
-    place, still consumed. :meth:`state_dict` / :meth:`load_state_dict` resume exactly; inside
-    workers of torchdata's ``StatefulDataLoader`` they save and restore each worker's own
-    position. ``options`` / its fields as keywords: as for :class:`PackedDataset`."""
+    Every sample once per epoch, plus with ``even="pad"`` (default) the first of the epoch's rest
+    repeated on the last step so every rank gets the same count (else DDP's all-reduce hangs);
+    ``"drop"`` leaves the last ``< world_size`` out; ``None`` keeps each exactly once. ``shuffle``
+    is seeded, changes with :meth:`set_epoch`, quasi-random over ``window`` blocks/shards at a time
+    (reads stay sequential), whatever the world size. ``batch_size`` must be the DataLoader's
+    (``packio.DataLoader`` sets it): each worker makes whole batches and the loader yields the
+    rank's sequence in order. A skipped sample (``on_error="skip"``) is a ``None``, still consumed.
+    :meth:`state_dict` / :meth:`load_state_dict` resume exactly; inside torchdata's
+    StatefulDataLoader workers, each worker's own position. Decode options: as for PackedDataset."""
 
     format_name: str | None = None
     kind = "iterable"
@@ -241,7 +233,6 @@ class PackedIterableDataset(IterableDataset):
             reader = _open(path, type(self), self.format_name)
             decoder = Decoder(merge_options(DecodeOptions, options, fields, type(self).__name__))
             self.source = Packed(reader, decoder, shuffle=shuffle, seed=seed, window=window)
-        self.options = self.source.options
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, 1)
         self.position = Position(len(self.source), type(self).__name__, rank=rank, world_size=world_size, even=even)
         self.path = path.name if isinstance(path, Source) else str(path)
@@ -250,43 +241,11 @@ class PackedIterableDataset(IterableDataset):
         self.worker_resume: dict[str, Any] | None = None  # a worker's own state, loaded inside it
 
     @property
-    def reader(self) -> Reader:
-        """The reader of a packed dataset's source (a mix has one per source)."""
-        if not isinstance(self.source, Packed):
-            raise AttributeError(f"a {type(self).__name__} reads several datasets: see its sources")
-        return self.source.reader
-
-    @property
-    def classes(self) -> list[str]:
-        """Image class names: what ``label`` indexes."""
-        return list(self.source.classes)
-
-    @property
-    def box_classes(self) -> list[str]:
-        """Box class names: what ``box_labels`` index."""
-        return list(self.source.box_classes)
-
-    @property
-    def threads(self) -> int | None:
-        """Decode threads per batch (``None``: torch's CPU thread count)."""
-        return self.source.decoders()[0].threads
-
-    @threads.setter
-    def threads(self, n: int | None) -> None:
-        for d in self.source.decoders():
-            d.threads = n
-
-    @property
     def epoch(self) -> int:
         return self.position.epoch
 
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` (a no-op when it is the current one: a resumed epoch keeps its position)."""
+    def set_epoch(self, epoch: int) -> None:  # the current one: a no-op (a resumed epoch keeps its position)
         self.position.set_epoch(epoch)
-
-    def sample(self, i: int) -> Sample:
-        """The stored sample itself (payload bytes/array and record), undecoded."""
-        return self.reader.read(i)
 
     def rank_sequence(self) -> np.ndarray:
         """This rank's sample ids for the rest of the current epoch."""
@@ -294,7 +253,7 @@ class PackedIterableDataset(IterableDataset):
         return self.source.ids(self.epoch, split.positions(0, split.mine))
 
     def __len__(self) -> int:
-        return self.position.remaining_here()
+        return self.position.split().mine
 
     def __iter__(self) -> Iterator[Batch | Item | None]:
         info = get_worker_info()
@@ -310,7 +269,7 @@ class PackedIterableDataset(IterableDataset):
         return worker_batches(cur.split.mine, worker, workers, cur.chunk, cur.taken)
 
     def _worker_cursor(self, worker: int, workers: int, chunk: int) -> Cursor:
-        """A worker's pass: from its own loaded state (used once), else from the shared position."""
+        """A worker's pass: from its own loaded state (once), else from the shared position."""
         resume, self.worker_resume = self.worker_resume, None
         if resume is None:
             return self.position.begin(chunk, worker=(worker, workers))
@@ -321,7 +280,8 @@ class PackedIterableDataset(IterableDataset):
             raise StateError(f"a DataLoader worker state saved with {got} cannot resume with {want}: a worker's "
                              f"state resumes only with the same world size, num_workers and batch size; for a "
                              f"state that resumes anywhere use packio.DataLoader.state_dict()")
-        mine = worker_share(self.position.split(resume["consumed"]).mine, worker, workers, chunk)
+        n = self.position.split(resume["consumed"]).mine
+        mine = sum(b - a for a, b in worker_batches(n, worker, workers, chunk))
         done = resume.get("done")
         if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done <= mine:
             raise StateError(f"a DataLoader worker state says done={done!r}, but this worker's share of the rest "
@@ -351,14 +311,13 @@ class PackedIterableDataset(IterableDataset):
     def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
         """The state at global position ``consumed`` of ``epoch`` (JSON-safe), nested for a mix."""
         p = self.position
-        return {**make_state(self.kind, epoch=epoch, consumed=consumed, length=p.length, world=p.world, even=p.even,
-                             **self.source.order_state()), **self.source.state_at(epoch, consumed)}
+        state = make_state(self.kind, epoch, consumed, p.length, p.world, p.even, **self.source.order_state())
+        return {**state, **self.source.state_at(epoch, consumed)}
 
     def state_dict(self) -> dict[str, Any]:
-        """The global position (JSON-safe): ``epoch``, ``consumed`` (samples of the epoch every
-        rank together has taken) and what fixes the order; the same on every rank, it resumes on
-        any number of ranks and workers. Inside a DataLoader worker (torchdata's
-        StatefulDataLoader asks there) it is that worker's own position."""
+        """The global position (JSON-safe): ``epoch``, ``consumed`` (samples every rank together took)
+        and what fixes the order; the same on every rank, it resumes on any number of ranks and
+        workers. In a DataLoader worker (StatefulDataLoader asks there): that worker's own."""
         c = self.position.cursor
         if get_worker_info() is None or c is None or c.worker is None:
             return self.state_at(*self.position.now())
@@ -366,8 +325,7 @@ class PackedIterableDataset(IterableDataset):
                 "worker": c.worker[0], "num_workers": c.worker[1], "chunk": c.chunk, "done": c.taken}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` (from :meth:`state_dict`) stopped; :class:`packio.StateError`
-        when it cannot continue this order exactly."""
+        """Continue where ``state`` stopped; :class:`packio.StateError` when it cannot exactly."""
         want = self.source.order_state()
         if not want["shuffle"]:
             want.pop("window")  # no shuffle: the window changes nothing
@@ -387,11 +345,9 @@ def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOpt
                  cache_dir: str | Path | None = None, cache_limit: int | str | None = None,
                  storage_options: dict[str, Any] | None = None, retries: int = 10, timeout: float = 10.0,
                  retry_seconds: float = 30.0, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
-    """Open any packed dataset (the format comes from its manifest) as a :class:`PackedDataset`,
-    or with ``iterable=True`` a :class:`PackedIterableDataset`; ``options`` and ``kwargs`` go to
-    that class. A URL (``s3://``, ``https://``, any fsspec URL) reads through a local cache: see
-    :func:`packio.remote.open_url` for ``cache_dir``, ``cache_limit``, ``storage_options``,
-    ``retries``, ``timeout`` and ``retry_seconds``."""
+    """Any packed dataset as a :class:`PackedDataset` (``iterable=True``: :class:`PackedIterableDataset`;
+    ``options`` and ``kwargs`` go to it). A URL reads through a local cache: see
+    :func:`packio.remote.open_url` for the cache and retry keywords."""
     from packio.remote import is_url, open_url
 
     cls = PackedIterableDataset if iterable else PackedDataset
@@ -408,9 +364,8 @@ _FORMAT_CLASSES: dict[str, type] = {}
 
 
 def format_classes() -> dict[str, type]:
-    """``{prefix}Dataset`` / ``{prefix}IterableDataset`` for every registered format (``LMDBDataset``,
-    ``TarIterableDataset``, ...): the generic classes pinned to one format. Made once per name,
-    so pickling (spawn workers) finds the same class."""
+    """``{prefix}Dataset`` / ``{prefix}IterableDataset`` of every registered format (``LMDBDataset``, ...),
+    pinned to it; made once per name, so pickling (spawn workers) finds the same class."""
     from packio.formats import formats
 
     for spec in formats().values():

@@ -1,11 +1,9 @@
 """The decoder: indices of one reader → one :class:`Batch`, in stages with one job each.
 
-Read (the reader's contract: ``read_batch`` when the reader ``reads_batches``, else one
-``read`` per sample on the decode threads, so reading overlaps decoding) → verify
-(checksum) → decode → resize (into one fresh batch buffer when every output has one
-shape) → boxes (follow the resize) → transform; an error policy (raise or skip) and the
-process's decode threads around them. The epoch comes with each batch (read-time crops
-and flips are a function of it). Nothing here knows about ranks, workers or orders.
+Read (``read_batch`` when the reader ``reads_batches``, else one ``read`` per sample on the
+decode threads: reading overlaps decoding) → verify → decode → resize (into one fresh batch
+buffer when the outputs have one shape) → boxes → transform; an error policy and the process's
+decode threads around them. The epoch comes with each batch. Nothing here knows ranks or orders.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ Got = Sample | PackioError  # a stored sample, or the error reading it raised
 
 
 class ErrorPolicy:
-    """``on_error="raise"`` re-raises a sample's error; ``"skip"`` counts it, warns now and then,
-    and hands out ``None`` in its place. A replaced dataset or a failing remote is never one
-    bad sample: it always raises."""
+    """``on_error="raise"`` re-raises a sample's error; ``"skip"`` counts it, warns now and then, and
+    hands out ``None`` instead. A replaced dataset or a failing remote is no bad sample: it raises."""
 
     def __init__(self, on_error: str) -> None:  # checked by DecodeOptions
         self.on_error = on_error
@@ -59,8 +56,8 @@ _helpers: tuple[int, int, Any] | None = None  # (pid, threads, executor): this p
 
 
 def _helper_pool(count: int) -> Any:
-    """This process's one pool of decode helper threads, at least ``count``, shared by every
-    dataset (a mix of ten sources holds one pool); it only grows. A forked child makes its own."""
+    """This process's one pool of at least ``count`` decode helpers, shared by every dataset (it only
+    grows); a forked child makes its own."""
     global _helpers
     now = _helpers
     if now is None or now[0] != os.getpid() or now[1] < count:
@@ -73,17 +70,15 @@ def _helper_pool(count: int) -> Any:
 
 
 class DecodeThreads:
-    """``count`` threads decode a batch (libjpeg-turbo and OpenCV release the GIL): ``count - 1``
-    helpers of the process's pool and the calling thread pull the next index from one shared
-    counter (one task per thread per batch, none idle while work is left). ``count=None``: as
-    many as torch's own CPU threads (``torch.get_num_threads()`` at each batch: every core in a
-    training process, 1 in a DataLoader worker, ``OMP_NUM_THREADS`` where a launcher set it)."""
+    """``count`` threads decode a batch (libjpeg-turbo and OpenCV release the GIL): ``count - 1`` pool
+    helpers and the calling thread pull the next index from one shared counter (one task per thread
+    per batch). ``None``: torch's CPU thread count at each batch (every core in a training process,
+    1 in a DataLoader worker, ``OMP_NUM_THREADS`` where a launcher set it)."""
 
     def __init__(self, count: int | None) -> None:
         self.count = count
 
     def size(self) -> int:
-        """The threads a batch is shared by now (1: the calling thread alone)."""
         return max(1, torch.get_num_threads() if self.count is None else self.count)
 
     def map(self, fn: Callable[[int], Any], n: int) -> list[Any]:
@@ -130,8 +125,8 @@ def chw(hwc: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 
 def _pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, out: np.ndarray | None = None) -> np.ndarray:
-    """``uint8[H, W, 3]`` of a stored sample, decoded strictly (libjpeg's "corrupt data"
-    warnings are damage, never made-up pixels); into ``out`` when they have its shape."""
+    """``uint8[H, W, 3]`` of a sample, decoded strictly (libjpeg's "corrupt data" warnings are
+    damage, never made-up pixels); into ``out`` when they have its shape."""
     if isinstance(s.payload, np.ndarray):  # raw formats store pixels
         if out is None or out.shape != s.payload.shape:
             return s.payload
@@ -144,9 +139,8 @@ def _pixels(s: Sample, backend: str, min_size: tuple[int, int] | None, out: np.n
 
 
 def _room(s: Sample) -> np.ndarray | None:
-    """A fresh array of the size the record gives, for the image to be decoded into (a JPEG then
-    needs no separate header parse); None when the record gives none, one over the pixel limit,
-    or more than the process has room for (a record may claim far more than its image)."""
+    """A fresh array of the size the record gives, for the image to be decoded into (no separate
+    header parse); None when it gives none, one over the pixel limit, or more than there is room for."""
     h, w = s.height, s.width
     if isinstance(s.payload, np.ndarray) or h <= 0 or w <= 0 or h * w > limits.MAX_PIXELS:
         return None
@@ -157,8 +151,7 @@ def _room(s: Sample) -> np.ndarray | None:
 
 
 def _boxes_for(s: Sample, out_h: int, out_w: int) -> np.ndarray:
-    """The sample's boxes in the pixels of an ``out_h`` x ``out_w`` output: scaled from the
-    stored size, never from a decoded shape (a decode may use DCT downscaling)."""
+    """The boxes in an ``out_h`` x ``out_w`` output, scaled from the stored size (a decode may use DCT scaling)."""
     if not len(s.boxes):
         return geo.as_boxes(s.boxes)
     try:
@@ -177,8 +170,7 @@ def _rows(stored: StoredBatch) -> list[Got]:
 
 
 class Decoder:
-    """Stored samples → one :class:`Batch` (:meth:`read`) or one sample dict (:meth:`one`):
-    verify, decode, resize, boxes, transform, on :attr:`pool`'s threads, with :attr:`errors`."""
+    """Stored samples → one :class:`Batch` (:meth:`read`) or one sample dict (:meth:`one`)."""
 
     def __init__(self, options: DecodeOptions) -> None:
         self.options = options  # checked when made
@@ -190,9 +182,7 @@ class Decoder:
         return self.pool.count
 
     @threads.setter
-    def threads(self, n: int | None) -> None:
-        """``n`` decode threads; by default one with a transform, which may draw random numbers:
-        it then sees the samples in order, on one thread."""
+    def threads(self, n: int | None) -> None:  # by default 1 with a transform: it sees the samples in order
         self.pool = DecodeThreads(1 if n is None and self.options.transform is not None else n)
 
     def read(self, reader: Reader, indices: Any, epoch: int = 0) -> Batch:
@@ -215,8 +205,7 @@ class Decoder:
         return self.samples(idx, _rows(stored).__getitem__, epoch)
 
     def one(self, reader: Reader, i: int, epoch: int = 0) -> Item | None:
-        """Sample ``i`` (a checked index) as :meth:`read` would hand it in a batch, without the
-        batch; ``None`` when skipped as corrupt."""
+        """Sample ``i`` (checked) as a batch holds it, without a batch; ``None`` when skipped."""
         try:
             s = reader.read(i)
             image, boxes = self.sample(s, i, epoch)
@@ -226,10 +215,8 @@ class Decoder:
                     torch.from_numpy(np.array(s.box_labels, np.int64).reshape(-1)), s.key, i)
 
     def sample(self, s: Sample, index: int, epoch: int, out: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
-        """``(image, boxes)`` of sample ``index`` stored as ``s``, read in ``epoch`` (boxes: a fresh
-        ``float32[N, 4]``). With ``out`` (a ``uint8[h, w, 3]`` row of the batch buffer) the pixels
-        go there and the image is ``None``, unless they do not fit it (an unresized image of
-        another size): then the image comes back on its own."""
+        """``(image, boxes)`` of sample ``index`` stored as ``s``, in ``epoch``. With ``out`` (a row of
+        the batch buffer) the pixels go there and the image is ``None``, unless they do not fit it."""
         o = self.options
         if o.verify and s.checksum and checksum(s.payload) != s.checksum:
             raise CorruptSampleError(s.key, "checksum mismatch")
@@ -256,11 +243,8 @@ class Decoder:
                      stored.counts.tolist(), list(stored.keys or []), torch.from_numpy(stored.index.astype(np.int64)))
 
     def _shape(self, first: Got | None, n: int) -> tuple[int, int] | None:
-        """``(h, w)`` of the one buffer a batch of ``n`` starting with ``first`` is decoded into:
-        the resize target; unresized, the first image's size from its header (an image of another
-        size comes out on its own). None with a transform, with nothing to decode, when the first
-        sample is unreadable, or when ``n`` images of its size would be over the pixel limit (one
-        header must not make every sample of the batch cost that much)."""
+        """``(h, w)`` of the one buffer a batch is decoded into: the resize target, else the first
+        image's header size (None over the pixel limit for ``n``: one header must not size them all)."""
         o = self.options
         if not o.decode or o.transform is not None:
             return None
@@ -276,8 +260,7 @@ class Decoder:
         return h, w
 
     def _reads(self, reader: Reader, idx: np.ndarray) -> Callable[[int], Got]:
-        """Sample ``j`` of the batch, read on its own by the decode thread that decodes it (one
-        read at a time): reading overlaps the other threads' decoding."""
+        """Sample ``j``, read by the decode thread that decodes it, one read at a time."""
         lock = threading.Lock()
 
         def read(j: int) -> Got:
@@ -290,9 +273,8 @@ class Decoder:
         return read
 
     def samples(self, idx: np.ndarray, sample: Callable[[int], Got], epoch: int) -> Batch:
-        """Decode sample ``j`` = ``sample(j)`` of the batch on the decode threads, into one fresh
-        ``[B, H, W, 3]`` buffer when the outputs have one shape (no image of its own per
-        sample, no stacking copy)."""
+        """Decode ``sample(j)`` for each ``j`` on the threads, into one fresh ``[B, H, W, 3]`` buffer
+        when the outputs have one shape (no image per sample, no stacking copy)."""
         n = len(idx)
         first = sample(0) if n else None
         shape = self._shape(first, n)
@@ -316,8 +298,7 @@ class Decoder:
 
     @staticmethod
     def _batch(idx: np.ndarray, got: list[tuple[Sample, Any, np.ndarray] | None], buf: torch.Tensor | None) -> Batch:
-        """One :class:`Batch` of the decoded samples (``None``: skipped). A skipped sample's row of
-        the buffer is zeros: not the buffer's old memory, nor a partial decode."""
+        """One :class:`Batch` of the decoded samples (``None``: skipped; its buffer row is zeros)."""
         kept = [r is not None for r in got]
         views = buf.permute(0, 3, 1, 2) if buf is not None else None
         for j in (j for j, k in enumerate(kept) if not k and buf is not None):

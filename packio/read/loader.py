@@ -1,11 +1,6 @@
-"""``packio.DataLoader``: torch's DataLoader plus what packio's datasets can do better.
-
-It adds, and nothing else: ``packio.collate`` (a packio batch handed on as it is; boxes cross
-from workers as one tensor each), whole batches from packio's iterable datasets, ``set_epoch``
-/ ``epoch``, and a resume state that is a global position: it continues exactly on any number
-of ranks and workers. Everything else (workers, pinned memory, prefetching) is torch's own.
-It uses only the public resume protocol of what it loads: ``position`` (begin / advance / end
-a pass), ``state_at``, ``state_dict``, ``load_state_dict``, ``set_epoch``.
+"""``packio.DataLoader``: torch's DataLoader plus ``packio.collate``, whole batches from packio's
+iterable datasets, ``set_epoch`` / ``epoch`` and an elastic resume state; the rest is torch's own.
+It uses only the public resume protocol of what it loads (``position``, ``state_at``, ...).
 """
 
 from __future__ import annotations
@@ -31,16 +26,12 @@ log = logging.getLogger("packio")
 class DataLoader(torch.utils.data.DataLoader):
     """``torch.utils.data.DataLoader`` with ``packio.collate`` and an elastic resume state.
 
-    Resumable over a packio iterable dataset (a mix included), or a map-style one with
-    ``sampler=packio.ResumableSampler(...)``: :meth:`state_dict` counts the batches this loader
-    has yielded (each ``batch_size`` positions of the rank's sequence, skipped corrupt samples
-    included), and :meth:`load_state_dict` continues from there with any ``num_workers`` and
-    any world size. With ``in_order=False`` and workers, batches arrive out of order, so the
-    batches yielded are no position: :meth:`state_dict` refuses.
-
-    ``batch_size=None`` yields sample dicts, as torch's loader does. Each worker of a packio
-    iterable dataset makes whole batches (torch's loader runs with ``batch_size=None`` over
-    them; ``len()`` and ``drop_last`` are this loader's)."""
+    Resumable over a packio iterable dataset (a mix too), or a map-style one with
+    ``sampler=packio.ResumableSampler(...)``: :meth:`state_dict` counts the batches yielded (each
+    ``batch_size`` positions of the rank's sequence, skipped samples included); it resumes with any
+    ``num_workers`` and world size (with ``in_order=False`` and workers it refuses: no position).
+    ``batch_size=None`` yields sample dicts, as torch's loader does; else each worker of a packio
+    iterable dataset makes whole batches (``len()`` and ``drop_last`` are this loader's)."""
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, **kwargs: Any) -> None:
         if batch_size is not None:
@@ -68,8 +59,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return super().__len__()
 
     @property
-    def resumable(self) -> PackedIterableDataset | ResumableSampler | None:
-        """What holds the epoch and position: the iterable dataset, or the ResumableSampler."""
+    def resumable(self) -> PackedIterableDataset | ResumableSampler | None:  # what holds the position
         if isinstance(self.dataset, PackedIterableDataset):
             return self.dataset
         return self.sampler if isinstance(self.sampler, ResumableSampler) else None
@@ -86,8 +76,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._target().epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` (a no-op when it is the current one: a resumed epoch keeps its
-        position); a map-style packio dataset is told it too (its decoder gets the epoch)."""
+        """Start ``epoch`` (the current one: a no-op); a map-style packio dataset is told it too."""
         target: Any = self.resumable
         if target is None and hasattr(self.sampler, "set_epoch"):
             target = self.sampler  # e.g. torch's DistributedSampler

@@ -1,15 +1,12 @@
-"""Weighted mixing: several sources streamed as one, and itself a source like any other.
+"""Weighted mixing: several sources streamed as one, itself a source like any other (nested mixes).
 
-A mix epoch of ``epoch_samples`` samples takes exactly ``counts[s]`` from source ``s`` (the
-weights' shares, computed with integers and rounded by largest remainder: each within 1 of
-exact, summing exactly). Positions are planned chunk by chunk (:class:`Plan`): source ``s``
-has drawn ``(counts[s] * x + phase[s]) // epoch_samples`` samples before chunk boundary ``x``
-(a seeded phase per epoch and source), and each chunk's draws are shuffled, so every window
-of the epoch holds each source's share within one sample per chunk, and any position is
-found without an array of the epoch's length. Draw ``d`` of source ``s`` is position
-``d % len(s)`` of the source's own epoch ``d // len(s)``: each source's samples come once per
-source epoch, reshuffled when exhausted. Everything is a pure function of (seed, epoch), so a
-mix is dealt to ranks and workers, and resumes on any world size, as any iterable dataset.
+A mix epoch of ``epoch_samples`` takes exactly ``counts[s]`` from source ``s``: the weights' shares,
+computed with integers, largest remainder rounded. The :class:`Plan` places them chunk by chunk:
+before chunk boundary ``x`` source ``s`` has drawn ``(counts[s] * x + phase[s]) // epoch_samples``
+(a seeded phase per epoch and source), each chunk's draws shuffled; so any position is found
+without an array of the epoch's length, and every stretch of the epoch holds each source's share.
+Draw ``d`` of source ``s`` is position ``d % len(s)`` of its own epoch ``d // len(s)``: its samples
+come once per source epoch. All a pure function of (seed, epoch), dealt and resumed as any stream.
 """
 
 from __future__ import annotations
@@ -32,29 +29,28 @@ from packio.read.decoder import Decoder
 __all__ = ["mix", "MixedDataset", "Mix", "Plan", "shares"]
 
 _MIX, _SOURCE, _PICK = 1, 2, 3  # distinct seed streams: the plan of a mix epoch, a source's epochs, picks
-CHUNK = 1024  # positions per chunk of the plan (at least the number of sources)
-MIX_VERSION = 2  # 2: chunked plan (older mixes drew in another order)
-MAX_SAMPLES = 1 << 62
+CHUNK = 1024  # positions per chunk of the plan
+MIX_VERSION = 2  # 2: the chunked plan (older mixes drew in another order)
+
+
+def _exact(weights: Sequence[Any]) -> list[Fraction]:
+    return [Fraction(x) if isinstance(x, numbers.Rational) else Fraction(float(x)) for x in weights]
 
 
 def shares(weights: Sequence[float] | None, lengths: list[int], epoch_samples: int | None) -> list[int]:
-    """Samples per source in one mix epoch: ``weights`` (default: the sources' lengths) scaled to
-    ``epoch_samples`` (default: all the sources' samples), largest remainder first (ties to the
-    earlier source). Exact: weights become integer fractions, so any finite weights work."""
+    """Samples per source in a mix epoch: ``weights`` (default: the lengths) scaled to ``epoch_samples``
+    (default: their sum) in exact fractions, largest remainder first (ties: the earlier source)."""
     total = sum(lengths) if epoch_samples is None else check_int("epoch_samples", epoch_samples, 1)
-    if total > MAX_SAMPLES:
-        raise ValueError(f"epoch_samples must be at most 2**62, not {total}")
     w = list(lengths) if weights is None else list(weights)
     if len(w) != len(lengths):
         raise ValueError(f"{len(w)} weights for {len(lengths)} sources: give one weight per source")
     if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w) \
-            or not any(x > 0 for x in w):
-        raise ValueError(f"weights must be finite numbers >= 0 with a positive sum, not {w!r}")
+            or not any(x > 0 for x in w) or total >= 1 << 62:
+        raise ValueError(f"weights must be finite numbers >= 0 with a positive sum (not {w!r}), and "
+                         f"epoch_samples below 2**62 (not {total})")
     exact = _exact(w)
-    scale = math.lcm(*(f.denominator for f in exact))
-    ints = [int(f * scale) for f in exact]
-    counts, rest = zip(*(divmod(x * total, sum(ints)) for x in ints))
-    counts = list(counts)
+    ints = [int(f * math.lcm(*(f.denominator for f in exact))) for f in exact]
+    counts, rest = map(list, zip(*(divmod(x * total, sum(ints)) for x in ints)))
     for s in sorted(range(len(w)), key=lambda s: -rest[s])[: total - sum(counts)]:
         counts[s] += 1
     empty = [s for s, (c, n) in enumerate(zip(counts, lengths)) if c and not n]
@@ -63,20 +59,13 @@ def shares(weights: Sequence[float] | None, lengths: list[int], epoch_samples: i
     return counts
 
 
-def _exact(weights: Sequence[Any]) -> list[Fraction]:
-    return [Fraction(x) if isinstance(x, numbers.Rational) else Fraction(float(x)) for x in weights]
-
-
 class Plan:
-    """Which source each position of a mix epoch draws from, and how many draws of that source
-    come before it: computed one chunk of ``CHUNK`` positions at a time (memory and time per
-    batch, not per epoch). Chunk ``j`` holds positions ``[start(j), start(j + 1))``, which lie
-    within ``len(counts)`` of ``j * CHUNK``."""
+    """Which source each position of a mix epoch draws from, and how many draws of it come before:
+    one chunk at a time (chunk ``j`` starts within ``len(counts)`` of ``j * k``)."""
 
     def __init__(self, counts: list[int], seed: int) -> None:
-        self.counts, self.n, self.seed = counts, sum(counts), seed
-        self.k = max(CHUNK, len(counts))
-        self._chunks: dict[tuple[int, int], tuple[list[int], np.ndarray, np.ndarray]] = {}
+        self.counts, self.n, self.seed, self.k = counts, sum(counts), seed, max(CHUNK, len(counts))
+        self.chunks: dict[tuple[int, int], tuple[list[int], np.ndarray, np.ndarray]] = {}
 
     def before(self, epoch: int, j: int) -> list[int]:
         """Draws of each source before chunk ``j``."""
@@ -85,28 +74,20 @@ class Plan:
         return [(c * x + r) // self.n for c, r in zip(self.counts, phase)]
 
     def chunk(self, epoch: int, j: int) -> tuple[list[int], np.ndarray, np.ndarray]:
-        """(draws before chunk ``j``, the source of each of its positions, each one's draw
-        number within its source in the chunk)."""
-        got = self._chunks.get((epoch, j))
-        if got is None:
-            a, b = self.before(epoch, j), self.before(epoch, j + 1)
-            n = np.subtract(b, a)
+        """(draws before chunk ``j``, the source of each of its positions, each one's draw within it)."""
+        if (epoch, j) not in self.chunks:
+            a = self.before(epoch, j)
+            n = np.subtract(self.before(epoch, j + 1), a)
             src = np.random.default_rng([self.seed, _MIX, epoch, j]).permutation(np.repeat(np.arange(len(n)), n))
-            at = np.argsort(src, kind="stable")
             within = np.empty(len(src), np.int64)
-            within[at] = np.arange(len(src)) - np.repeat(np.cumsum(n) - n, n)
-            if len(self._chunks) >= 8:
-                self._chunks.clear()
-            got = self._chunks[(epoch, j)] = (a, src, within)
-        return got
-
-    def find(self, epoch: int, p: int) -> int:
-        """The chunk holding position ``p``."""
-        j = p // self.k
-        return j if sum(self.before(epoch, j)) <= p else j - 1
+            within[np.argsort(src, kind="stable")] = np.arange(len(src)) - np.repeat(np.cumsum(n) - n, n)
+            if len(self.chunks) >= 8:  # a few batches' worth
+                self.chunks.clear()
+            self.chunks[(epoch, j)] = (a, src, within)
+        return self.chunks[(epoch, j)]
 
     def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source, draws of that source in this epoch before it) of each position."""
+        """(source, draws of it in this epoch before) of each position."""
         src, drawn = np.empty(len(positions), np.int64), np.empty(len(positions), np.int64)
         guess = positions // self.k
         firsts = np.unique(guess)
@@ -123,18 +104,18 @@ class Plan:
         """Draws of each source in the first ``consumed`` positions of ``epoch``."""
         if consumed >= self.n:
             return list(self.counts)
-        a, s, _ = self.chunk(epoch, self.find(epoch, consumed))
+        a, s, _ = self.chunk(epoch, consumed // self.k - (sum(self.before(epoch, consumed // self.k)) > consumed))
         return [x + int(np.count_nonzero(s[:consumed - sum(a)] == k)) for k, x in enumerate(a)]
 
 
 def _split(base: int, rel: np.ndarray, size: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """``base + rel`` (``base`` may pass int64) as ``(hi + lo // size, .. % size)``: (hi, lo // size, lo % size)."""
+    """``base + rel`` (``base`` may pass int64) divided by ``size``: ``(base // size, rest // size, rest % size)``."""
     lo = base % size + rel
     return base // size, lo // size, lo % size
 
 
 class Mix(Source):
-    """Sources mixed by weight (see the module): ids are ``offsets[s] + the source's id``."""
+    """Sources mixed by weight (see the module); ids are ``offsets[s]`` + source ``s``'s ids."""
 
     def __init__(self, sources: list[Source], names: list[str], weights: Sequence[float] | None, *,
                  epoch_samples: int | None, seed: int, replacement: bool, window: int,
@@ -142,12 +123,12 @@ class Mix(Source):
         if not isinstance(replacement, bool):
             raise TypeError(f"replacement must be True or False, not {replacement!r}")
         self.sources, self.names, self.options, self.name = sources, names, options, " + ".join(names)
-        self.seed, self.replacement, self.window = check_int("seed", seed, 0), replacement, check_int("window", window, 1)
+        self.seed, self.replacement, self.window = seed, replacement, window
         self.lengths = [len(s) for s in sources]
         self.counts = shares(weights, self.lengths, epoch_samples)
-        exact = _exact(self.lengths if weights is None else weights)  # as given: any scale
+        exact = _exact(self.lengths if weights is None else weights)
         self.weights = [float(x / sum(exact)) for x in exact]
-        self.plan_ = Plan(self.counts, self.seed)
+        self.plan_ = Plan(self.counts, seed)
         self.offsets = np.cumsum([0] + [s.space for s in sources]).tolist()
         self.space, self.streams = self.offsets[-1], any(s.streams for s in sources)
         self.classes, self.class_map = _union([s.classes for s in sources])
@@ -156,26 +137,17 @@ class Mix(Source):
     def __len__(self) -> int:
         return sum(self.counts)
 
-    def _picks(self, s: int, first: int, rel: np.ndarray) -> np.ndarray:
-        """Source ``s``'s positions of its draws ``first + rel``: in order, or uniform picks."""
-        size = self.lengths[s]
-        if not self.replacement:
-            return _split(first, rel, size)[2]
-        hi, blocks, at = _split(first, rel, CHUNK)
-        out = np.empty(len(rel), np.int64)
-        for b in np.unique(blocks).tolist():
-            row = blocks == b
-            out[row] = np.random.default_rng([self.seed, _PICK, s, hi + b]).integers(0, size, CHUNK)[at[row]]
-        return out
-
     def ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         src, drawn = self.plan_.locate(epoch, positions)
         out = np.empty(len(positions), np.int64)
         for s in np.unique(src).tolist():
-            rows = np.flatnonzero(src == s)
-            first = epoch * self.counts[s]
-            hi, epochs, _ = _split(first, drawn[rows], self.lengths[s])
-            at = self._picks(s, first, drawn[rows])
+            rows, size, first = np.flatnonzero(src == s), self.lengths[s], epoch * self.counts[s]
+            hi, epochs, at = _split(first, drawn[rows], size)
+            if self.replacement:  # uniform picks, drawn CHUNK at a time per seeded block of draws
+                b0, blocks, k = _split(first, drawn[rows], CHUNK)
+                for b in np.unique(blocks).tolist():
+                    sel = blocks == b
+                    at[sel] = np.random.default_rng([self.seed, _PICK, s, b0 + b]).integers(0, size, CHUNK)[k[sel]]
             for e in np.unique(epochs).tolist():
                 sel = epochs == e
                 out[rows[sel]] = self.offsets[s] + self.sources[s].ids(hi + e, at[sel])
@@ -186,9 +158,7 @@ class Mix(Source):
 
     def read(self, ids: np.ndarray, epoch: int) -> Batch:
         """One batch in the order of ``ids``: each source reads its part in one go."""
-        ids = np.asarray(ids, np.int64)
-        src = self._which(ids)
-        parts = []
+        src, parts = self._which(ids), []
         for s in np.unique(src).tolist():
             rows = np.flatnonzero(src == s)
             b = self.sources[s].read(ids[rows] - self.offsets[s], epoch)
@@ -201,28 +171,25 @@ class Mix(Source):
         got = self.sources[s].one(i - self.offsets[s], epoch)
         if got is not None:
             got["label"] = int(_relabel(torch.tensor([got["label"]]), self.class_map[s])[0])
-            got["box_labels"] = _relabel(got["box_labels"], self.box_map[s])
-            got["source"] = s
+            got["box_labels"], got["source"] = _relabel(got["box_labels"], self.box_map[s]), s
         return got
 
     def plan(self, ids: np.ndarray) -> None:
-        """Each source is told the part of ``ids`` it will read, in order."""
         src = self._which(ids)
         for s, source in enumerate(self.sources):
             if source.streams:
                 source.plan(ids[src == s] - self.offsets[s])
 
-    def identity(self) -> dict[str, Any]:
-        """What makes this mix's order (names aside: a copy moved to a bucket keeps its place)."""
-        return {"version": MIX_VERSION, "sources": [s.identity() for s in self.sources],
-                "weights": self.weights, "counts": self.counts, "replacement": self.replacement, "window": self.window}
+    def identity(self) -> dict[str, Any]:  # names aside: a copy moved to a bucket keeps its place
+        return {"version": MIX_VERSION, "sources": [s.identity() for s in self.sources], "weights": self.weights,
+                "counts": self.counts, "replacement": self.replacement, "window": self.window}
 
     def order_state(self) -> dict[str, Any]:
         return {"seed": self.seed, "shuffle": True, "window": self.window, "mix": self.identity()}
 
     def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
-        """Each source's position after ``consumed`` samples of mix epoch ``epoch``: its ``draws``
-        so far and (without replacement) its own ``epoch`` and ``position`` in it, nested."""
+        """Each source's ``draws`` after ``consumed`` samples of mix epoch ``epoch`` and (without
+        replacement) its own ``epoch`` and ``position`` in it, nested for a mix."""
         out = []
         for s, (taken, c, size) in enumerate(zip(self.plan_.taken(epoch, consumed), self.counts, self.lengths)):
             d = epoch * c + taken
@@ -232,16 +199,14 @@ class Mix(Source):
         return {"sources": out}
 
     def load_state_dict(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
-        saved = state.get("mix")
+        saved, want = state.get("mix"), self.identity()
         if not isinstance(saved, dict) or saved.get("version") != MIX_VERSION:
             raise StateError("this mix state was saved by an older packio, whose mixes drew in another order: it "
                              "cannot resume this mix exactly; start the epoch again with set_epoch()")
-        want = self.identity()
-        for name in want:
-            if saved.get(name) != want[name]:
-                raise StateError(f"this state was saved by another mix: its {name} {saved.get(name)!r} differ from "
-                                 f"this mix's {want[name]!r}; resume with the same sources, weights, epoch_samples, "
-                                 f"seed and replacement")
+        for name in (n for n in want if saved.get(n) != want[n]):
+            raise StateError(f"this state was saved by another mix: its {name} {saved.get(name)!r} differ from "
+                             f"this mix's {want[name]!r}; resume with the same sources, weights, epoch_samples, "
+                             f"seed and replacement")
         if _unnamed(state.get("sources")) != _unnamed(self.state_at(epoch, consumed)["sources"]):
             raise StateError("this state's source positions do not follow from its mix position: it was edited "
                              "or saved by another packio; start the epoch again with set_epoch()")
@@ -251,47 +216,42 @@ class Mix(Source):
 
 
 def _union(lists: list[list[str]]) -> tuple[list[str], list[list[int]]]:
-    """One name list for all (first seen first: source 0's ids stay its own) and each list's ids in it."""
+    """One list of names (first seen first: source 0's ids stay its own), and each list's ids in it."""
     ids: dict[str, int] = {}
     maps = [[ids.setdefault(name, len(ids)) for name in names] for names in lists]
     return list(ids), maps
 
 
 def _relabel(labels: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    """A source's class ids as the mix's (-1, no class, and ids the source does not name: -1)."""
-    table = torch.tensor([*ids, -1], dtype=torch.int64)
-    return table[torch.where((labels >= 0) & (labels < len(ids)), labels, len(ids))]
+    """A source's class ids as the mix's (-1, and an id the source does not name: -1)."""
+    return torch.tensor([*ids, -1], dtype=torch.int64)[torch.where((labels >= 0) & (labels < len(ids)), labels, -1)]
 
 
 def _unnamed(positions: Any) -> Any:
     """Source positions without the names, nested (a moved copy keeps its position)."""
     if not isinstance(positions, list) or not all(isinstance(x, dict) for x in positions):
         return positions
-    return [{k: _unnamed(v) if k == "sources" else v for k, v in x.items() if k != "name"} for x in positions]
+    return [{k: _unnamed(v) for k, v in x.items() if k != "name"} for x in positions]
 
 
 def _source(src: Any, k: int, seed: int, window: int, options: DecodeOptions) -> tuple[Source, str]:
-    """Source ``k`` of a mix and its name: an inner mix as it is (its own order); a packio dataset
-    (its own decode options) or a path / URL (opened with the mix's) in an order seeded by the mix."""
+    """Source ``k`` and its name: a mix as it is (its own order); a packio dataset (its own decode
+    options) or a path / URL (opened with the mix's) in an order seeded by the mix."""
     if isinstance(src, (str, Path)):
         src = open_dataset(src, options=options)
     if isinstance(src, PackedIterableDataset) and not isinstance(src.source, Packed):
         return src.source, src.path
-    if isinstance(src, PackedIterableDataset):
-        reader, decoder = src.source.reader, src.source.decoder
-    elif isinstance(src, PackedDataset):
-        reader, decoder = src.reader, src.decoder
-    else:
+    if not isinstance(src, (PackedDataset, PackedIterableDataset)):
         raise TypeError(f"a mix source is a path, a URL or a packio dataset, not {type(src).__name__}")
     own = int(np.random.SeedSequence([seed, _SOURCE, k]).generate_state(1)[0])
-    return Packed(reader, decoder, shuffle=True, seed=own, window=window), src.path
+    return Packed(src.reader, src.source.decoders()[0] if isinstance(src, PackedIterableDataset) else src.decoder,
+                  shuffle=True, seed=own, window=window), src.path
 
 
 class MixedDataset(PackedIterableDataset):
-    """Several packio datasets streamed as one, by weight (see :func:`mix`). It is a
-    :class:`PackedIterableDataset` in every other way: split over ranks and DataLoader workers,
-    ``even``, ``batch_size``, ``set_epoch``, and a state that resumes on any world size and
-    ``num_workers`` (``packio.DataLoader``'s too). ``classes``: one list for the whole mix."""
+    """Several packio datasets streamed as one, by weight (see :func:`mix`); a
+    :class:`PackedIterableDataset` in every other way (ranks, workers, ``even``, ``set_epoch``, a
+    state that resumes on any world size and ``num_workers``). ``mix``: its :class:`Mix`."""
 
     kind = "mix"
 
@@ -311,11 +271,11 @@ class MixedDataset(PackedIterableDataset):
 
     @property
     def class_map(self) -> list[list[int]]:
-        """Per source, its class ids as ids of :attr:`classes` (``class_map[s][label]``)."""
+        """Per source, its class ids as ids of :attr:`classes`: ``class_map[s][label]``."""
         return self.mix.class_map
 
     def positions(self, epoch: int, consumed: int) -> list[dict[str, Any]]:
-        """Each source's position after ``consumed`` samples of mix epoch ``epoch`` (see the state)."""
+        """Each source's position after ``consumed`` samples of mix epoch ``epoch`` (as in the state)."""
         return self.mix.state_at(epoch, consumed)["sources"]
 
 
@@ -324,19 +284,15 @@ def mix(sources: Sequence[Any], weights: Sequence[float] | None = None, *, epoch
     """Stream several packio datasets as one, by weight: a :class:`MixedDataset`.
 
     ``sources``: paths, URLs (opened with the decode keywords given here), opened packio datasets
-    (their own decode options; give them one ``resize`` so a batch stacks into one tensor) or
-    other mixes (nested: a mix is a source like any other). ``weights``: one per source, any
-    finite numbers >= 0 of any scale (default: the sources' lengths; a mix's length is its
-    ``epoch_samples``). ``epoch_samples``: samples per mix epoch (default: all the sources'
-    samples together); each source gets its weight's share, rounded to whole samples by largest
-    remainder (each within 1 of exact, summing exactly), spread evenly over the epoch.
-    Each source is read without replacement within its own epochs, reshuffled when exhausted;
-    ``replacement=True`` picks each of a source's samples uniformly at random instead (repeats
-    and misses within an epoch). Labels are ids of the mix's one class list, ``classes`` (the
-    union of the sources' class names, first seen first: source 0 keeps its ids; the same name
-    in two sources is one class); ``class_map[s]`` maps source ``s``'s ids to it, and box labels
-    likewise (``box_classes``). Every sample carries ``source`` (its source's position in
-    ``sources``), and batches a ``source`` column. ``kwargs``: ``batch_size``, ``window``,
-    ``rank``, ``world_size``, ``even`` and decode options, as for :class:`PackedIterableDataset`.
-    """
+    (their own decode options: give them one ``resize`` so a batch stacks) or other mixes (nested,
+    in their own order). ``weights``: one per source, finite numbers >= 0 of any scale (default:
+    the sources' lengths; a mix's is its ``epoch_samples``). ``epoch_samples``: samples per mix
+    epoch (default: all the sources' together), each source's share exact to within 1 and spread
+    evenly over the epoch. Each source is read without replacement within its own epochs,
+    reshuffled when exhausted; ``replacement=True`` picks its samples uniformly at random instead.
+    Labels are ids of one class list, ``classes``: the union of the sources' names, first seen
+    first (source 0 keeps its ids; one name in two sources is one class); ``class_map[s]`` maps
+    source ``s``'s ids into it; box labels likewise (``box_classes``). Samples carry ``source``
+    (the position in ``sources``), batches a ``source`` column. ``kwargs``: ``batch_size``,
+    ``window``, ``rank``, ``world_size``, ``even`` and decode options (see PackedIterableDataset)."""
     return MixedDataset(sources, weights, epoch_samples=epoch_samples, seed=seed, replacement=replacement, **kwargs)
