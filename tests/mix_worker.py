@@ -6,7 +6,8 @@ every step) and writes the (source, key) pairs each rank took, per epoch, to
 
 The leg: ``{"mix": true, "name", "sources", "weights", "epoch_samples", "seed", "batch_size",
 "epochs", "num_workers", "checkpoint", "stop": [epoch, batch] or null}``; ``stop`` ends the
-leg (as a crash would) before that batch of that epoch.
+leg (as a crash would) before that batch of that epoch. A source is a path or URL, or a nested
+mix: ``{"mix": [sources...], "weights", "epoch_samples", "seed"}`` (see :func:`build`).
 """
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 import packio
 
 
+def build(sources: list, weights: list | None, **kwargs: Any) -> packio.MixedDataset:
+    """``packio.mix`` over ``sources`` (decode=False), a dict source being a mix of its own."""
+    opened = [s if isinstance(s, str) else build(s["mix"], s.get("weights"), epoch_samples=s.get("epoch_samples"),
+                                                 seed=s.get("seed", 0)) for s in sources]
+    return packio.mix(opened, weights, decode=False, **kwargs)
+
+
 def leg(plan: dict, out: Path, rank: int) -> None:
-    ds = packio.mix(plan["sources"], plan["weights"], epoch_samples=plan["epoch_samples"], seed=plan["seed"],
-                    decode=False)
+    ds = build(plan["sources"], plan["weights"], epoch_samples=plan["epoch_samples"], seed=plan["seed"])
     workers = plan["num_workers"]
     loader = packio.DataLoader(ds, batch_size=plan["batch_size"], num_workers=workers,
                                **({"multiprocessing_context": "fork"} if workers else {}))

@@ -75,6 +75,24 @@ def test_arrays_batches_resume_exactly_and_fall_back_on_bad_reads(arrays, monkey
     assert sorted(_check(arrays, list(packio.DataLoader(arrays, batch_size=4)))) == list(range(n))
 
 
+def test_a_replaced_dataset_fails_the_batch_without_reading_again(arrays, monkeypatch):
+    """DatasetReplacedError from a batch read is that batch's error, with or without on_error="skip":
+    nothing is read again sample by sample (before: any error of the gather fell back to per-sample
+    reads, which a replaced dataset must not get)."""
+    from packio.errors import DatasetReplacedError
+
+    reads = []
+    monkeypatch.setattr(type(arrays.reader), "read_batch",
+                        lambda *a: (_ for _ in ()).throw(DatasetReplacedError("replaced on purpose")))
+    monkeypatch.setattr(type(arrays.reader), "read", lambda self, i: reads.append(i))
+    for ds in (arrays, packio.open_dataset(arrays.reader.path, on_error="skip")):
+        with pytest.raises(DatasetReplacedError, match="on purpose"):
+            ds.__getitems__([0, 1, 2])
+        with pytest.raises(DatasetReplacedError, match="on purpose"):
+            next(iter(packio.DataLoader(ds, batch_size=3)))
+    assert reads == []
+
+
 def test_batch_index_checks_match_per_sample_ones(arrays):
     r = arrays.reader
     n = len(r)

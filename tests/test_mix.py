@@ -14,7 +14,8 @@ import torch
 
 import packio
 from conftest import jpeg
-from packio.read.mix import shares
+from mix_worker import build
+from packio.read.mix import Plan, shares
 
 SOURCES = (("a", 30, "wds", (12, 16)), ("b", 20, "lmdb", (20, 10)), ("c", 12, "wds", (9, 9)))
 WEIGHTS = [0.5, 0.3, 0.2]
@@ -128,13 +129,15 @@ def test_mixed_batches_one_shape_with_resize_and_right_pixels(paths):
     assert all(x["source"] in (0, 1, 2) for x in items)
 
 
-def _leg(paths, state, world: int, workers: int, stop: tuple[int, int] | None, epochs: int):
+def _leg(paths, state, world: int, workers: int, stop: tuple[int, int] | None, epochs: int, make=None):
     """One job on ``world`` simulated ranks (each a packio.DataLoader with real worker processes),
     stepping together; stops before batch ``stop[1]`` of epoch ``stop[0]``. Returns the global
-    sequence per epoch (the ranks' samples interleaved) and the state saved last."""
+    sequence per epoch (the ranks' samples interleaved) and the state saved last. ``make(rank,
+    world)``: the mix of a rank (default: ``paths`` by WEIGHTS, 70 a epoch)."""
     loaders = []
     for r in range(world):
-        ds = packio.mix(paths, WEIGHTS, epoch_samples=70, seed=1, decode=False, rank=r, world_size=world)
+        ds = make(r, world) if make else packio.mix(paths, WEIGHTS, epoch_samples=70, seed=1, decode=False, rank=r,
+                                                    world_size=world)
         args = {"num_workers": workers, "multiprocessing_context": "fork"} if workers else {}
         loaders.append(packio.DataLoader(ds, batch_size=4, **args))
         if state is not None:
@@ -170,6 +173,118 @@ def test_resume_2_3_1_ranks_other_workers_is_the_uninterrupted_sequence(paths):
     assert [p["draws"] for p in pos] == [2 * c for c in shares(WEIGHTS, [30, 20, 12], 70)]
 
 
+def test_weights_of_any_finite_scale_share_exactly(paths):
+    """Shares are computed in integers: weights near the float limit, subnormal ones and huge
+    integers give the same exact shares (before: 1e308 overflowed and an epoch held 3 samples)."""
+    for weights in ([1e308, 1e308, 1e308], [5e-324] * 3, [2**80, 2**80, 2**80], [1.7e308, 1.7e308, 1.7e308]):
+        assert shares(weights, [30, 20, 12], 50) == [17, 17, 16], weights
+    assert shares([1e308, 5e-324, 0], [30, 20, 12], 50) == [50, 0, 0]
+    assert shares([1, 1e-300, 0], [30, 20, 12], 7) == [7, 0, 0]
+    seq = run_epochs(packio.mix(paths, [1e308, 1e308, 1e308], epoch_samples=50, decode=False), 1)[0]
+    assert Counter(s for s, _ in seq) == {0: 17, 1: 17, 2: 16}
+
+
+@pytest.mark.parametrize("counts", [[500, 300, 200], [1, 2_047, 3], [5, 0, 4_000], [1] * 1_100 + [900]])
+def test_the_plan_draws_each_share_once_in_order(counts):
+    """Every position of a mix epoch has one source, each source exactly its count, and the draws of
+    a source before each position are 0, 1, 2, ... in the epoch's order (more sources than a chunk too)."""
+    plan = Plan(counts, seed=7)
+    n = sum(counts)
+    for epoch in (0, 3):
+        src, drawn = plan.locate(epoch, np.arange(n, dtype=np.int64))
+        assert np.bincount(src, minlength=len(counts)).tolist() == counts
+        for s in np.unique(src).tolist():
+            assert drawn[src == s].tolist() == list(range(counts[s]))
+        for consumed in (0, 1, n // 3, n - 1, n):
+            assert plan.taken(epoch, consumed) == np.bincount(src[:consumed], minlength=len(counts)).tolist()
+        part = np.array([n - 1, 0, n // 2, n // 2 + 1], np.int64)  # any positions, any order: the same answers
+        assert [a.tolist() for a in plan.locate(epoch, part)] == [src[part].tolist(), drawn[part].tolist()]
+    assert plan.locate(0, np.arange(n))[0].tolist() != plan.locate(1, np.arange(n))[0].tolist()
+
+
+def test_a_huge_mix_epoch_costs_per_batch_not_per_epoch(tmp_path):
+    """A 5-sample source mixed with a 200-sample one over 10 million samples an epoch: the first
+    batch, and one near the end of the epoch, take little memory (before: arrays of the epoch's
+    length, and 240 s before the first batch); every stretch of the epoch holds the shares."""
+    import tracemalloc
+
+    small, big = pack(tmp_path, "s", 5, "lmdb", (8, 8)), pack(tmp_path, "t", 200, "wds", (8, 8))
+    tracemalloc.start()
+    ds = packio.mix([small, big], epoch_samples=10**7, seed=1, decode=False)
+    first = next(iter(packio.DataLoader(ds, batch_size=64)))
+    ds.load_state_dict({**ds.state_dict(), "consumed": 10**7 - 100, "sources": ds.positions(0, 10**7 - 100)})
+    late = [b for b in packio.DataLoader(ds, batch_size=64)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB traced for two batches"
+    assert len(first["key"]) == 64 and sum(len(b["key"]) for b in late) == 100
+    assert [p["draws"] for p in ds.positions(0, 10**7)] == shares(None, [5, 200], 10**7)
+    src = ds.mix.plan_.locate(0, np.arange(5 * 10**6, 5 * 10**6 + 3_000, dtype=np.int64))[0]
+    assert abs(int((src == 0).sum()) - 3_000 * 5 / 205) <= 3  # any 3,000 positions: within a chunk's rounding
+
+
+def _classes_of(root: Path, name: str, classes: list[str], n: int) -> str:
+    """A dataset of ``n`` tiny JPEGs spread over class folders ``classes``."""
+    src = root / f"src-{name}"
+    for k in range(n):
+        (src / classes[k % len(classes)]).mkdir(parents=True, exist_ok=True)
+        (src / classes[k % len(classes)] / f"{name}{k:03d}.jpg").write_bytes(jpeg(8, 8, k))
+    return str(packio.convert(src, root / f"{name}.lmdb", progress=False).output)
+
+
+def test_one_class_list_for_the_whole_mix(tmp_path):
+    """A mix's labels are ids of one class list, the union of its sources' names (first seen first):
+    ids are unique and each names the sample's own class; nested mixes too (before: a list per
+    source, and 0 was both c1 and daisy)."""
+    a = _classes_of(tmp_path, "a", ["c1", "c2"], 6)
+    b = _classes_of(tmp_path, "b", ["c2", "daisy", "rose"], 9)
+    truth = {}
+    for path in (a, b):
+        own = packio.open_dataset(path, decode=False)
+        truth.update({own.sample(i).key: own.classes[own.sample(i).label] for i in range(len(own))})
+    inner = packio.mix([b, a], decode=False)
+    ds = packio.mix([a, inner, b], decode=False, epoch_samples=40)
+    assert ds.classes == ["c1", "c2", "daisy", "rose"] and len(set(ds.classes)) == len(ds.classes)
+    assert inner.classes == ["c2", "daisy", "rose", "c1"]
+    assert ds.class_map == [[0, 1], [1, 2, 3, 0], [1, 2, 3]]
+    got = [(x["key"], x["label"]) for x in ds] + [
+        (k, int(lab)) for batch in packio.DataLoader(ds, batch_size=8) for k, lab in zip(batch["key"], batch["label"])]
+    assert len(got) == 80 and {truth[k] for k, _ in got} == {"c1", "c2", "daisy", "rose"}
+    assert all(ds.classes[label] == truth[key] for key, label in got)
+
+
+def _nested(a: str, d: str) -> list:
+    """Two mixes deep: an inner mix of ``a`` and ``d`` in a middle one with ``d``, beside ``a``."""
+    inner = {"mix": [a, d], "weights": [2, 1], "epoch_samples": 18, "seed": 4}
+    return [{"mix": [inner, d], "weights": [1, 1], "epoch_samples": 30, "seed": 5}, a]
+
+
+def test_nested_mixes_stream_count_and_resume_on_other_world_sizes(paths):
+    """mix([mix([mix([a, d]), d]), a]) is a source like any other: each epoch takes its shares at
+    every level, a state nests its sources' positions, and it resumes on 2 then 1 ranks into the
+    uninterrupted sequence (before: AttributeError '_Sources' object has no attribute 'reader')."""
+    spec = _nested(paths[0], paths[2])
+
+    def make(rank: int, world: int) -> packio.MixedDataset:
+        return build(spec, [2, 1], epoch_samples=45, seed=9, rank=rank, world_size=world)
+
+    keys = keys_of(paths)
+    whole, _ = _leg(paths, None, 1, 0, None, 2, make)
+    for e in (0, 1):
+        assert Counter(s for s, _ in whole[e]) == {0: 30, 1: 15}
+        assert all(k in (keys[0] | keys[2] if s == 0 else keys[0]) for s, k in whole[e])
+    state, seqs = None, {0: [], 1: []}
+    for world, workers, stop in ((2, 0, (0, 3)), (3, 2, (1, 1)), (1, 2, None)):
+        got, state = _leg(paths, state, world, workers, stop, 2, make)
+        for e, seq in got.items():
+            seqs[e].extend(seq)
+    assert seqs == whole
+    middle = state["sources"][0]
+    assert middle["draws"] == 60 and [p["draws"] for p in middle["sources"]] == [30, 30]
+    inner = middle["sources"][0]  # 30 draws of an 18-sample epoch: at 12 of its epoch 1, its sources drew 30
+    assert (inner["epoch"], inner["position"]) == (1, 12) and sum(p["draws"] for p in inner["sources"]) == 30
+
+
 def _state_after(ds, batches: int) -> dict:
     loader = packio.DataLoader(ds, batch_size=4)
     for k, _ in enumerate(loader):
@@ -195,6 +310,9 @@ def test_a_state_from_another_mix_is_a_state_error(paths, tmp_path):
         with pytest.raises(packio.StateError):
             ds.load_state_dict(state)
         assert ds.state_dict()["consumed"] == 0, name
+    older = {**state, "mix": {k: v for k, v in state["mix"].items() if k != "version"}}  # saved by packio <= 0.1
+    with pytest.raises(packio.StateError, match="older packio"):
+        make().load_state_dict(older)
     tampered = {**state, "sources": [{**state["sources"][0], "draws": 0}, *state["sources"][1:]]}
     with pytest.raises(packio.StateError, match="source positions"):
         make().load_state_dict(tampered)
@@ -267,19 +385,51 @@ def _foreign_shards(folder: Path, n: int) -> str:
 def plans(work: Path, servers: dict) -> dict:
     """This module's legs for the session's torchrun launches (tests/launches.py): a mix of a
     local packed dataset, foreign WebDataset shards on the HTTP server (a brace-pattern URL)
-    and a packed dataset on the S3 server: ``plans[world]``, and the sources."""
-    if "skip" in servers:
-        return {"skip": servers["skip"], "plans": {world: [] for world, _, _ in MIX_LEGS}}
+    and a packed dataset on the S3 server, and a mix nested two deep of local datasets:
+    ``plans[world]``, the sources, and the nested mix (``nest``)."""
     work.mkdir(parents=True)
+    local = pack(work, "a", MIX_LENGTHS[0], "lmdb", (8, 8))
+    nest = {"mix": True, "sources": _nested(local, pack(work, "d", 10, "wds", (8, 8))), "weights": [2, 1],
+            "epoch_samples": 45, "seed": 9, "batch_size": 4, "epochs": 2, "checkpoint": str(work / "nest.json")}
+    nested = {world: [{**nest, "name": f"nest-w{world}", "num_workers": workers, "stop": stop}]
+              for world, workers, stop in MIX_LEGS}
+    if "skip" in servers:
+        return {"skip": servers["skip"], "nest": nest, "plans": nested}
     http, s3 = servers["http"], servers["s3"]
     pattern = _foreign_shards(http.root / "mix-b", MIX_LENGTHS[1])
     s3.make_bucket("torchrun-mix")
     pack(work, "c", MIX_LENGTHS[2], "wds", (16, 16), out="s3://torchrun-mix/c.wds")
-    paths = [pack(work, "a", MIX_LENGTHS[0], "lmdb", (8, 8)), f"{http.url}/mix-b/{pattern}", "s3://torchrun-mix/c.wds"]
+    paths = [local, f"{http.url}/mix-b/{pattern}", "s3://torchrun-mix/c.wds"]
     common = {"mix": True, "sources": paths, "weights": WEIGHTS, "epoch_samples": 60, "seed": 7, "batch_size": 4,
               "epochs": 2, "checkpoint": str(work / "ck.json")}
-    return {"paths": paths, "plans": {world: [{**common, "name": f"mix-w{world}", "num_workers": workers, "stop": stop}]
-                                      for world, workers, stop in MIX_LEGS}}
+    return {"paths": paths, "nest": nest,
+            "plans": {world: [{**common, "name": f"mix-w{world}", "num_workers": workers, "stop": stop}, *nested[world]]
+                      for world, workers, stop in MIX_LEGS}}
+
+
+def _ranks_sequence(outs: dict, name: str) -> dict[str, list]:
+    """Each epoch's global sequence of the legs named ``name``-w{world}, the ranks interleaved."""
+    import json
+
+    seqs: dict[str, list] = {"0": [], "1": []}
+    for world, _, _ in MIX_LEGS:
+        ranks = [json.loads((outs[world] / f"{name}-w{world}.rank{k}.json").read_text()) for k in range(world)]
+        for e in seqs:
+            if any(e in rk for rk in ranks):
+                seqs[e] += _interleave([rk.get(e, []) for rk in ranks])
+    return seqs
+
+
+def test_torchrun_nested_mix_resumes_on_other_world_sizes(torchrun_launches):
+    """Real processes: a mix nested two deep, stopped on 2 ranks, resumed on 3 (other num_workers),
+    finished on 1: each epoch takes the outer shares exactly and is the uninterrupted sequence."""
+    mix, outs = torchrun_launches["mix"], torchrun_launches["outs"]
+    nest = mix["nest"]
+    seqs = _ranks_sequence(outs, "nest")
+    whole = run_epochs(build(nest["sources"], nest["weights"], epoch_samples=45, seed=9), 2)
+    for e in (0, 1):
+        assert Counter(s for s, _ in seqs[str(e)]) == {0: 30, 1: 15}, f"epoch {e}: not the weights' shares"
+        assert [tuple(x) for x in seqs[str(e)]] == whole[e], f"epoch {e}"
 
 
 def test_torchrun_resume_2_3_1_ranks_other_workers(torchrun_launches, tmp_path, monkeypatch):
@@ -287,19 +437,12 @@ def test_torchrun_resume_2_3_1_ranks_other_workers(torchrun_launches, tmp_path, 
     stops mid epoch 1, on 1 rank finishes, over a local source, foreign shards over HTTP and a
     dataset on S3; together they are the uninterrupted sequence (read here from the same
     URLs), each epoch takes each source's share, each source's samples once per source epoch."""
-    import json
-
     mix, outs = torchrun_launches["mix"], torchrun_launches["outs"]
     if "skip" in mix:
         pytest.skip(mix["skip"])
     paths = mix["paths"]
     assert paths[1].startswith("http://127.0.0.1:") and "{" in paths[1] and paths[2].startswith("s3://")
-    seqs: dict[str, list] = {"0": [], "1": []}
-    for world, _, _ in MIX_LEGS:
-        ranks = [json.loads((outs[world] / f"mix-w{world}.rank{k}.json").read_text()) for k in range(world)]
-        for e in seqs:
-            if any(e in rk for rk in ranks):
-                seqs[e] += _interleave([rk.get(e, []) for rk in ranks])
+    seqs = _ranks_sequence(outs, "mix")
     counts = shares(WEIGHTS, list(MIX_LENGTHS), 60)
     for e in seqs:
         assert Counter(s for s, _ in seqs[e]) == dict(enumerate(counts)), f"epoch {e}: not the weights' shares"

@@ -61,7 +61,7 @@ def shares(weights: Sequence[float] | None, lengths: list[int], epoch_samples: i
 
 class Plan:
     """Which source each position of a mix epoch draws from, and how many draws of it come before:
-    one chunk at a time (chunk ``j`` starts within ``len(counts)`` of ``j * k``)."""
+    one chunk at a time (chunk ``j`` starts less than ``len(counts) <= k`` from ``j * k``)."""
 
     def __init__(self, counts: list[int], seed: int) -> None:
         self.counts, self.n, self.seed, self.k = counts, sum(counts), seed, max(CHUNK, len(counts))
@@ -86,13 +86,17 @@ class Plan:
             self.chunks[(epoch, j)] = (a, src, within)
         return self.chunks[(epoch, j)]
 
+    def where(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The chunk holding each position: ``p // k``, or one of its neighbours."""
+        g = positions // self.k
+        firsts = np.unique(np.concatenate([g, g + 1]))
+        starts = np.array([sum(self.before(epoch, j)) for j in firsts.tolist()], np.int64)
+        return g - (positions < starts[np.searchsorted(firsts, g)]) + (positions >= starts[np.searchsorted(firsts, g + 1)])
+
     def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, draws of it in this epoch before) of each position."""
         src, drawn = np.empty(len(positions), np.int64), np.empty(len(positions), np.int64)
-        guess = positions // self.k
-        firsts = np.unique(guess)
-        starts = np.array([sum(self.before(epoch, j)) for j in firsts.tolist()], np.int64)
-        chunk = guess - (positions < starts[np.searchsorted(firsts, guess)])
+        chunk = self.where(epoch, positions)
         for j in np.unique(chunk).tolist():
             rows = np.flatnonzero(chunk == j)
             a, s, within = self.chunk(epoch, j)
@@ -104,7 +108,7 @@ class Plan:
         """Draws of each source in the first ``consumed`` positions of ``epoch``."""
         if consumed >= self.n:
             return list(self.counts)
-        a, s, _ = self.chunk(epoch, consumed // self.k - (sum(self.before(epoch, consumed // self.k)) > consumed))
+        a, s, _ = self.chunk(epoch, int(self.where(epoch, np.array([consumed]))[0]))
         return [x + int(np.count_nonzero(s[:consumed - sum(a)] == k)) for k, x in enumerate(a)]
 
 
@@ -185,18 +189,18 @@ class Mix(Source):
                 "counts": self.counts, "replacement": self.replacement, "window": self.window}
 
     def order_state(self) -> dict[str, Any]:
-        return {"seed": self.seed, "shuffle": True, "window": self.window, "mix": self.identity()}
+        return {"seed": self.seed, "shuffle": True, "window": self.window}
 
     def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
-        """Each source's ``draws`` after ``consumed`` samples of mix epoch ``epoch`` and (without
-        replacement) its own ``epoch`` and ``position`` in it, nested for a mix."""
+        """What the mix is, and each source's ``draws`` after ``consumed`` samples of mix epoch ``epoch``
+        and (without replacement) its own ``epoch`` and ``position`` in it, nested for a mix."""
         out = []
         for s, (taken, c, size) in enumerate(zip(self.plan_.taken(epoch, consumed), self.counts, self.lengths)):
             d = epoch * c + taken
             pos = {} if self.replacement or not size else {"epoch": d // size, "position": d % size}
             inner = self.sources[s].state_at(d // size, d % size) if pos else {}
             out.append({"name": self.names[s], "draws": d, **pos, **inner})
-        return {"sources": out}
+        return {"mix": self.identity(), "sources": out}
 
     def load_state_dict(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         saved, want = state.get("mix"), self.identity()
