@@ -72,7 +72,9 @@ class Packed(Source):
     """A packed dataset as a source: its reader and decoder, in a seeded order (see ``epoch_order``)."""
 
     def __init__(self, reader: Reader, decoder: Decoder, *, shuffle: bool, seed: int, window: int) -> None:
-        self.reader, self.decoder, self.options, self.name = reader, decoder, decoder.options, str(reader.path)
+        self.reader: Reader = reader
+        self.decoder: Decoder = decoder
+        self.options, self.name = decoder.options, str(reader.path)
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle must be True or False, not {shuffle!r}")
         self.shuffle, self.seed = shuffle, check_int("seed", seed, 0)
@@ -94,10 +96,10 @@ class Packed(Source):
         return self.order(epoch)[positions]
 
     def read(self, ids: Any, epoch: int) -> Batch:
-        return self.decoder.read(self.reader, ids, epoch)
+        return self.decoder.batch_of(self.reader, ids, epoch)
 
     def one(self, i: int, epoch: int) -> Item | None:
-        return self.decoder.one(self.reader, i, epoch)
+        return self.decoder.item_of(self.reader, i, epoch)
 
     def plan(self, ids: np.ndarray) -> None:
         self.reader.plan(ids)
@@ -250,7 +252,7 @@ class PackedIterableDataset(Reading, IterableDataset):
     def rank_sequence(self) -> np.ndarray:
         """This rank's sample ids for the rest of the current epoch."""
         split = self.position.split()
-        return self.source.ids(self.epoch, split.positions(0, split.mine))
+        return self.source.ids(self.epoch, split.span(0, split.mine))
 
     def __len__(self) -> int:
         return self.position.split().mine
@@ -261,7 +263,7 @@ class PackedIterableDataset(Reading, IterableDataset):
         cur = self.position.begin(chunk) if info is None else self._worker_cursor(info.id, info.num_workers, chunk)
         if self.source.streams:  # remote shards: fetched whole, in this order, prefetched
             self.source.plan(self.source.ids(cur.epoch, np.concatenate(
-                [cur.split.positions(a, b) for a, b in self._batches(cur)] or [np.zeros(0, np.int64)])))
+                [cur.split.span(a, b) for a, b in self._batches(cur)] or [np.zeros(0, np.int64)])))
         return self._stream(cur)
 
     def _batches(self, cur: Cursor) -> Iterator[tuple[int, int]]:
@@ -291,7 +293,7 @@ class PackedIterableDataset(Reading, IterableDataset):
     def _stream(self, cur: Cursor) -> Iterator[Batch | Item | None]:
         source, whole = self.source, self.whole_batches
         for a, b in self._batches(cur):
-            ids = source.ids(cur.epoch, cur.split.positions(a, b))
+            ids = source.ids(cur.epoch, cur.split.span(a, b))
             if cur.chunk == 1 and not whole:  # one sample at a time: no batch built around it
                 cur.taken += 1
                 yield source.one(int(ids[0]), cur.epoch)

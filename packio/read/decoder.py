@@ -170,7 +170,7 @@ def _rows(stored: StoredBatch) -> list[Got]:
 
 
 class Decoder:
-    """Stored samples → one :class:`Batch` (:meth:`read`) or one sample dict (:meth:`one`)."""
+    """Stored samples → one :class:`Batch` (:meth:`batch_of`) or one sample dict (:meth:`item_of`)."""
 
     def __init__(self, options: DecodeOptions) -> None:
         self.options = options  # checked when made
@@ -185,7 +185,7 @@ class Decoder:
     def threads(self, n: int | None) -> None:  # by default 1 with a transform: it sees the samples in order
         self.pool = DecodeThreads(1 if n is None and self.options.transform is not None else n)
 
-    def read(self, reader: Reader, indices: Any, epoch: int = 0) -> Batch:
+    def batch_of(self, reader: Reader, indices: Any, epoch: int = 0) -> Batch:
         """Samples ``indices`` of ``reader``, in ``epoch``, as one batch."""
         idx = reader.check_indices(indices)
         o = self.options
@@ -204,7 +204,7 @@ class Decoder:
             return self.block(stored)
         return self.samples(idx, _rows(stored).__getitem__, epoch)
 
-    def one(self, reader: Reader, i: int, epoch: int = 0) -> Item | None:
+    def item_of(self, reader: Reader, i: int, epoch: int = 0) -> Item | None:
         """Sample ``i`` (checked) as a batch holds it, without a batch; ``None`` when skipped."""
         try:
             s = reader.read(i)

@@ -86,7 +86,7 @@ class Split:
     def mine(self) -> int:
         return self.lengths()[self.rank]
 
-    def positions(self, a: int, b: int) -> np.ndarray:
+    def span(self, a: int, b: int) -> np.ndarray:
         """Epoch positions of this rank's samples ``a .. b - 1`` (padding wraps to the first)."""
         k = np.arange(a, b, dtype=np.int64) * self.world + self.rank
         return self.start + (k % (self.length - self.start) if self.even == "pad" else k)
@@ -242,7 +242,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         c = self.position.begin()
         order = epoch_order(self.length, shuffle=self.shuffle, seed=self.seed, epoch=c.epoch)
-        return self._indices(c, order[c.split.positions(0, c.split.mine)].tolist())
+        return self._indices(c, order[c.split.span(0, c.split.mine)].tolist())
 
     def _indices(self, c: Cursor, seq: list[int]) -> Iterator[int]:
         for i in seq:
