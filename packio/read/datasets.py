@@ -36,7 +36,7 @@ class Source(ABC):
     id in ``range(space)`` (``ids``: those at some positions of an epoch), read into one
     :class:`Batch` (``read``) or one dict (``one``); ``plan`` tells streaming readers the ids ahead;
     ``order_state`` is what fixes the order, ``identity`` what it is (for a mix's state); its
-    state nests (``state_at``, ``load_state_dict``: a mix's holds its sources')."""
+    state nests (``state_at``, ``check_state``: a mix's holds its sources')."""
 
     space: int
     streams: bool
@@ -64,7 +64,7 @@ class Source(ABC):
     def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
+    def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         return None
 
 
@@ -322,7 +322,7 @@ class PackedIterableDataset(Reading, IterableDataset):
         workers. In a DataLoader worker (StatefulDataLoader asks there): that worker's own."""
         c = self.position.cursor
         if get_worker_info() is None or c is None or c.worker is None:
-            return self.state_at(*self.position.now())
+            return self.state_at(**self.position.state_dict())
         return {**self.state_at(c.epoch, c.split.start), WORKER_STATE: 1, "rank": self.position.rank,
                 "worker": c.worker[0], "num_workers": c.worker[1], "chunk": c.chunk, "done": c.taken}
 
@@ -332,7 +332,7 @@ class PackedIterableDataset(Reading, IterableDataset):
         if not want["shuffle"]:
             want.pop("window")  # no shuffle: the window changes nothing
         epoch, consumed = read_state(state, self.kind, self.position.length, want)
-        self.source.load_state_dict(state, epoch, consumed)
+        self.source.check_state(state, epoch, consumed)
         if isinstance(state, dict) and WORKER_STATE in state:
             if get_worker_info() is None:
                 raise StateError("this is one DataLoader worker's state (torchdata's StatefulDataLoader keeps one "
@@ -340,7 +340,7 @@ class PackedIterableDataset(Reading, IterableDataset):
                                  "for a state that resumes anywhere use packio.DataLoader.state_dict()")
             self.worker_resume = state
             return
-        self.position.jump(epoch, consumed)
+        self.position.load_state_dict({"epoch": epoch, "consumed": consumed})
 
 
 def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOptions | None = None,

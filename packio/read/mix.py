@@ -202,7 +202,7 @@ class Mix(Source):
             out.append({"name": self.names[s], "draws": d, **pos, **inner})
         return {"mix": self.identity(), "sources": out}
 
-    def load_state_dict(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
+    def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         saved, want = state.get("mix"), self.identity()
         if not isinstance(saved, dict) or saved.get("version") != MIX_VERSION:
             raise StateError("this mix state was saved by an older packio, whose mixes drew in another order: it "

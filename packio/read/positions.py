@@ -196,10 +196,14 @@ class Position:
         if cursor.worker is None and self.live(cursor):
             self.shared.set(cursor.epoch, 0)
 
-    def now(self) -> tuple[int, int]:
-        """(epoch, consumed): the last live pass's here, else the stored start."""
+    def state_dict(self) -> dict[str, int]:
+        """``epoch`` and ``consumed``: the last live pass's here, else the stored start."""
         c = self.cursor
-        return (c.epoch, c.consumed()) if c is not None and c.worker is None and self.live(c) else self.shared.get()
+        epoch, consumed = (c.epoch, c.consumed()) if c and c.worker is None and self.live(c) else self.shared.get()
+        return {"epoch": epoch, "consumed": consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.jump(state["epoch"], state["consumed"])
 
     def check_world(self) -> None:
         """Catch an object built before init_process_group() (it would read everything on every rank)."""
@@ -257,11 +261,12 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """The global position: the same on every rank; resumes on any number of ranks."""
-        return self.state_at(*self.position.now())
+        return self.state_at(**self.position.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` stopped; :class:`packio.StateError` when it cannot exactly."""
-        self.position.jump(*read_state(state, self.kind, self.length, {"seed": self.seed, "shuffle": self.shuffle}))
+        epoch, consumed = read_state(state, self.kind, self.length, {"seed": self.seed, "shuffle": self.shuffle})
+        self.position.load_state_dict({"epoch": epoch, "consumed": consumed})
 
 
 def dist_info(rank: int | None = None, world: int | None = None) -> tuple[int, int]:
