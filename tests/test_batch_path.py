@@ -371,7 +371,7 @@ def test_default_threads_follow_torch(gen_folder_once, tmp_path, monkeypatch):
             == {"MainThread"}
         seq = packio.open_dataset(tmp_path / "d.lmdb", resize=16, transform=lambda x: x)
         assert _decoding_threads(seq, monkeypatch) == {"MainThread"}
-        assert packio.open_dataset(tmp_path / "d.lmdb", resize=16, transform=lambda x: x, threads=2).decoder.pool.size() == 2
+        assert packio.open_dataset(tmp_path / "d.lmdb", resize=16, transform=lambda x: x, threads=2).threads == 2
     finally:
         torch.set_num_threads(before)
 

@@ -219,7 +219,7 @@ def test_a_huge_mix_epoch_costs_per_batch_not_per_epoch(tmp_path):
     assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB traced for two batches"
     assert len(first["key"]) == 64 and sum(len(b["key"]) for b in late) == 100
     assert [p["draws"] for p in ds.positions(0, 10**7)] == shares(None, [5, 200], 10**7)
-    src = ds.mix.plan_.locate(0, np.arange(5 * 10**6, 5 * 10**6 + 3_000, dtype=np.int64))[0]
+    src = ds.mix.planner.locate(0, np.arange(5 * 10**6, 5 * 10**6 + 3_000, dtype=np.int64))[0]
     assert abs(int((src == 0).sum()) - 3_000 * 5 / 205) <= 3  # any 3,000 positions: within a chunk's rounding
 
 

@@ -91,7 +91,8 @@ class Plan:
         g = positions // self.k
         firsts = np.unique(np.concatenate([g, g + 1]))
         starts = np.array([sum(self.before(epoch, j)) for j in firsts.tolist()], np.int64)
-        return g - (positions < starts[np.searchsorted(firsts, g)]) + (positions >= starts[np.searchsorted(firsts, g + 1)])
+        at = starts[np.searchsorted(firsts, g)], starts[np.searchsorted(firsts, g + 1)]
+        return g - (positions < at[0]) + (positions >= at[1])
 
     def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, draws of it in this epoch before) of each position."""
@@ -132,7 +133,7 @@ class Mix(Source):
         self.counts = shares(weights, self.lengths, epoch_samples)
         exact = _exact(self.lengths if weights is None else weights)
         self.weights = [float(x / sum(exact)) for x in exact]
-        self.plan_ = Plan(self.counts, seed)
+        self.planner = Plan(self.counts, seed)
         self.offsets = np.cumsum([0] + [s.space for s in sources]).tolist()
         self.space, self.streams = self.offsets[-1], any(s.streams for s in sources)
         self.classes, self.class_map = _union([s.classes for s in sources])
@@ -142,7 +143,7 @@ class Mix(Source):
         return sum(self.counts)
 
     def ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        src, drawn = self.plan_.locate(epoch, positions)
+        src, drawn = self.planner.locate(epoch, positions)
         out = np.empty(len(positions), np.int64)
         for s in np.unique(src).tolist():
             rows, size, first = np.flatnonzero(src == s), self.lengths[s], epoch * self.counts[s]
@@ -195,7 +196,7 @@ class Mix(Source):
         """What the mix is, and each source's ``draws`` after ``consumed`` samples of mix epoch ``epoch``
         and (without replacement) its own ``epoch`` and ``position`` in it, nested for a mix."""
         out = []
-        for s, (taken, c, size) in enumerate(zip(self.plan_.taken(epoch, consumed), self.counts, self.lengths)):
+        for s, (taken, c, size) in enumerate(zip(self.planner.taken(epoch, consumed), self.counts, self.lengths)):
             d = epoch * c + taken
             pos = {} if self.replacement or not size else {"epoch": d // size, "position": d % size}
             inner = self.sources[s].state_at(d // size, d % size) if pos else {}
