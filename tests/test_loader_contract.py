@@ -132,3 +132,23 @@ def test_a_skipped_sample_leaves_the_rest_of_its_batch_intact(lmdb, monkeypatch,
             assert torch.equal(b["boxes"][j], ref_ds[i]["boxes"])
         seen += b["index"].tolist()
     assert sorted(seen) == [i for i in range(len(ref)) if i != 5]
+
+
+class _EpochSeen(packio.PackedDataset):
+    """Each batch says the epoch its decoder got (module level: workers of any start method find it)."""
+
+    def __getitems__(self, indices):
+        batch = super().__getitems__(indices)
+        batch.key = [f"epoch {self.epoch}"] * len(batch)
+        return batch
+
+
+def test_map_style_datasets_get_the_epoch_in_workers(lmdb):
+    """packio.DataLoader.set_epoch reaches a map-style dataset and its DataLoader workers, persistent
+    ones included: the decoder reads each batch knowing its epoch (read-time crops and flips, issue 39)."""
+    loader = packio.DataLoader(_EpochSeen(lmdb), batch_size=4, shuffle=True, num_workers=2,
+                               multiprocessing_context="fork", persistent_workers=True)
+    for epoch in (0, 3, 7):
+        loader.set_epoch(epoch)
+        assert {k for b in loader for k in b["key"]} == {f"epoch {epoch}"}
+    assert loader.dataset.epoch == 7
