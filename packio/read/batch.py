@@ -167,14 +167,9 @@ def collate(items: Batch | Sequence[Item | None], packed: bool = False) -> dict[
     if isinstance(items, Batch):
         return items.collated(packed)
     got = [x for x in items if x is not None]
-    out: dict[str, Any] = {"image": stack_images([x["image"] for x in got]), "key": [x["key"] for x in got]}
-    for name in ("label", "index", "source")[:3 if got and "source" in got[0] else 2]:
-        out[name] = torch.tensor([x[name] for x in got], dtype=torch.int64)
-    for name, empty in (("boxes", torch.zeros(0, 4)), ("box_labels", torch.zeros(0, dtype=torch.int64))):
-        parts = [x[name] for x in got]
-        if packed or get_worker_info() is not None:  # in a worker: one block to send, not a segment per tensor
-            r = Ragged(torch.cat(parts) if parts else empty, [len(p) for p in parts])
-            out[name] = r if packed else r.split()
-        else:
-            out[name] = parts
-    return {k: out[k] for k in FIELDS if k in out}
+    boxes = [x["boxes"] for x in got] or [torch.zeros(0, 4)]
+    box_labels = [x["box_labels"] for x in got] or [torch.zeros(0, dtype=torch.int64)]
+    source = torch.tensor([x["source"] for x in got]) if got and "source" in got[0] else None
+    return Batch(stack_images([x["image"] for x in got]), torch.tensor([x["label"] for x in got], dtype=torch.int64),
+                 torch.cat(boxes), torch.cat(box_labels), [len(b) for b in boxes][:len(got)], [x["key"] for x in got],
+                 torch.tensor([x["index"] for x in got], dtype=torch.int64), source=source).collated(packed)
