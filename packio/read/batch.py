@@ -1,8 +1,5 @@
-"""The one batch type, :class:`Batch`, where its memory comes from, and ``collate``.
-
-A batch is made once, by the decoder (or merged from its sources' batches by a mix), and keeps
-one form: columns. It is also a sequence of per-sample dicts, made when first asked for, so any
-collate function takes it. Every tensor in it is fresh: packio never writes into it again.
+"""The one batch type, :class:`Batch` (columns, and a sequence of sample dicts for any collate
+function), its fresh memory, and ``collate``. packio never writes into a batch it handed out.
 """
 
 from __future__ import annotations

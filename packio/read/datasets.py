@@ -1,10 +1,6 @@
-"""Thin PyTorch datasets over reader + decoder + positions.
-
-:class:`PackedDataset` (map-style) reads what it is asked for. :class:`PackedIterableDataset`
-streams a :class:`Source` (:class:`Packed`: a dataset's reader and decoder in a seeded order; or
-a ``packio.read.mix.Mix``) dealt to DDP ranks and DataLoader workers by its ``Position``. Rank
-and world size travel to workers inside the pickled object; the epoch and resume position
-through shared memory.
+"""Thin PyTorch datasets over reader + decoder + positions: :class:`PackedDataset` reads what it is
+asked for; :class:`PackedIterableDataset` streams a :class:`Source` (:class:`Packed`, or a mix) dealt
+to ranks and workers by its ``Position`` (the epoch and position reach workers in shared memory).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The decoder: indices of one reader → one :class:`Batch`, in stages with one job each.
-
-Read (``read_batch`` when the reader ``reads_batches``, else one ``read`` per sample on the
-decode threads: reading overlaps decoding) → verify → decode → resize (into one fresh batch
-buffer when the outputs have one shape) → boxes → transform; an error policy and the process's
-decode threads around them. The epoch comes with each batch. Nothing here knows ranks or orders.
+"""The decoder: indices of one reader, in one epoch → one :class:`Batch`. Read (``read_batch`` when the
+reader ``reads_batches``, else ``read`` per sample on the decode threads: reading overlaps decoding)
+→ verify → decode → resize (into one fresh buffer) → boxes → transform, under an error policy.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""Weighted mixing: several sources streamed as one, itself a source like any other (nested mixes).
+"""Weighted mixing: several sources as one, itself a source like any other (mixes nest).
 
-A mix epoch of ``epoch_samples`` takes exactly ``counts[s]`` from source ``s``: the weights' shares,
-computed with integers, largest remainder rounded. The :class:`Plan` places them chunk by chunk:
-before chunk boundary ``x`` source ``s`` has drawn ``(counts[s] * x + phase[s]) // epoch_samples``
-(a seeded phase per epoch and source), each chunk's draws shuffled; so any position is found
-without an array of the epoch's length, and every stretch of the epoch holds each source's share.
-Draw ``d`` of source ``s`` is position ``d % len(s)`` of its own epoch ``d // len(s)``: its samples
-come once per source epoch. All a pure function of (seed, epoch), dealt and resumed as any stream.
+An epoch takes exactly ``counts[s]`` from source ``s`` (integer shares). :class:`Plan` places them a
+chunk at a time: before boundary ``x`` source ``s`` drew ``(counts[s] * x + phase[s]) // epoch_samples``
+(a seeded phase), each chunk shuffled; no array of the epoch's length, and every stretch holds the
+shares. Draw ``d`` of ``s`` is position ``d % len(s)`` of its own epoch ``d // len(s)``.
 """
 
 from __future__ import annotations
@@ -249,8 +246,7 @@ def _source(src: Any, k: int, seed: int, window: int, options: DecodeOptions) ->
     if not isinstance(src, (PackedDataset, PackedIterableDataset)):
         raise TypeError(f"a mix source is a path, a URL or a packio dataset, not {type(src).__name__}")
     own = int(np.random.SeedSequence([seed, _SOURCE, k]).generate_state(1)[0])
-    return Packed(src.reader, src.source.decoders()[0] if isinstance(src, PackedIterableDataset) else src.decoder,
-                  shuffle=True, seed=own, window=window), src.path
+    return Packed(src.reader, src.decoder, shuffle=True, seed=own, window=window), src.path
 
 
 class MixedDataset(PackedIterableDataset):

@@ -1,11 +1,6 @@
-"""Positions: which sample comes where, and where a run stands.
-
-An epoch's order, its split over DDP ranks and DataLoader workers, and the resume state are
-pure functions of (length, seed, epoch, world size, ...). The global order never depends on
-the world size, so a position in it ("consumed": samples every rank together has taken)
-resumes on any number of ranks and workers. :class:`Position` is the resume stage of every
-resumable object: the epoch and start of its rest (shared with DataLoader workers) and the
-:class:`Cursor` of the pass reading it.
+"""Positions: an epoch's order, its split over ranks and workers, and where a run stands (its
+:class:`Position`), all pure functions of (length, seed, epoch, ...). The global order never
+depends on the world size, so a position ("consumed") resumes on any number of ranks and workers.
 """
 
 from __future__ import annotations
