@@ -114,20 +114,22 @@ class Packed(Source):
         return dict(self.__dict__, _order=None)  # an epoch's whole order: not worth pickling
 
 
-def _open(path: str | Path | Reader, owner: type, format_name: str | None) -> Reader:
-    """The reader of a local path (or a Reader as is), of ``format_name`` when the class is pinned."""
+def _open(owner: Any, path: str | Path | Reader, options: DecodeOptions | None, fields: dict) -> tuple[Reader, Decoder]:
+    """The reader of a local path (a Reader as is; of the class's format when pinned) and the decoder
+    of the options: a URL is refused first, then the options are checked, then the path opened."""
     from packio.remote import is_url
 
+    cls = type(owner).__name__
     if is_url(path):  # a URL reads through a cache with retries and timeouts, set up by open_dataset
-        how = "url, iterable=True" if issubclass(owner, IterableDataset) else "url"
+        how = "url, iterable=True" if isinstance(owner, IterableDataset) else "url"
         raise FormatError(f"{redact(str(path))}: a URL; use packio.open_dataset({how}) (it takes cache_dir=, "
-                          f"cache_limit=, retries=, timeout=, and every {owner.__name__} option), not "
-                          f"{owner.__name__}(url)")
+                          f"cache_limit=, retries=, timeout=, and every {cls} option), not {cls}(url)")
+    decoder = Decoder(merge_options(DecodeOptions, options, fields, cls))
     reader = open_reader(path)
-    if format_name and reader.manifest.format != format_name:
-        raise FormatError(f"{path} holds the {reader.manifest.format!r} format, not {format_name!r}; "
+    if owner.format_name and reader.manifest.format != owner.format_name:
+        raise FormatError(f"{path} holds the {reader.manifest.format!r} format, not {owner.format_name!r}; "
                           f"use packio.open_dataset() to open any format")
-    return reader
+    return reader, decoder
 
 
 class Reading:
@@ -184,9 +186,7 @@ class PackedDataset(Reading, Dataset):
     format_name: str | None = None
 
     def __init__(self, path: str | Path | Reader, *, options: DecodeOptions | None = None, **fields: Any) -> None:
-        reader = _open(path, type(self), self.format_name)
-        decoder = Decoder(merge_options(DecodeOptions, options, fields, type(self).__name__))
-        self.source = Packed(reader, decoder, shuffle=False, seed=0, window=1)
+        self.source = Packed(*_open(self, path, options, fields), shuffle=False, seed=0, window=1)
         self.path, self.shared_epoch = str(path), SharedPosition()
 
     @property
@@ -228,9 +228,7 @@ class PackedIterableDataset(Reading, IterableDataset):
         if isinstance(path, Source):
             self.source = path
         else:
-            reader = _open(path, type(self), self.format_name)
-            decoder = Decoder(merge_options(DecodeOptions, options, fields, type(self).__name__))
-            self.source = Packed(reader, decoder, shuffle=shuffle, seed=seed, window=window)
+            self.source = Packed(*_open(self, path, options, fields), shuffle=shuffle, seed=seed, window=window)
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, 1)
         self.position = Position(len(self.source), type(self).__name__, rank=rank, world_size=world_size, even=even)
         self.path = path.name if isinstance(path, Source) else str(path)
