@@ -257,7 +257,8 @@ class Decoder:
         return h, w
 
     def _reads(self, reader: Reader, idx: np.ndarray) -> Callable[[int], Got]:
-        """Sample ``j``, read by the decode thread that decodes it, one read at a time."""
+        """Sample ``j``, read by the decode thread that decodes it, one read at a time (reading
+        overlaps the other threads' decoding); on one thread, the batch's reads first, in a row."""
         lock = threading.Lock()
 
         def read(j: int) -> Got:
@@ -267,7 +268,14 @@ class Decoder:
                 except PackioError as exc:
                     return exc
 
-        return read
+        if self.pool.size() > 1:
+            return read
+        got = []
+        for j in range(len(idx)):
+            got.append(read(j))
+            if isinstance(got[-1], PackioError) and self.errors.fatal(got[-1]):
+                break  # the batch fails on it: no read after
+        return got.__getitem__
 
     def samples(self, idx: np.ndarray, sample: Callable[[int], Got], epoch: int) -> Batch:
         """Decode ``sample(j)`` for each ``j`` on the threads, into one fresh ``[B, H, W, 3]`` buffer
