@@ -255,7 +255,7 @@ LONG_FIRST = (
     "test_docs.py::test_examples_say_what_works_and_warn_of_nothing_on_cpu",
     "test_mix.py::test_one_source_on_s3",
     "test_remote_hostile.py::test_fork_workers_leave_the_parent_and_each_other_clean",
-    "test_cuda_feed.py::test_gpu_check_fails_without_cuda_unless_allowed",
+    "test_benchmarks.py::test_gpu_run_dry_run_on_tiny_data",
     "test_docs.py::test_page_blocks_run[docs/reading.md]",
     "test_remote.py::test_cli_convert_info_verify_a_url",
     "test_worker_batches.py::test_worker_batch_is_made_in_shared_memory",
