@@ -20,7 +20,7 @@ from packio.formats import format_for_path, formats, get_format, is_packed, open
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import Manifest
 from packio.options import PackOptions
-from packio.pack.commit import check_output
+from packio.pack.commit import check_not_inside_dataset, check_output
 from packio.pack.prepare import Prep, Result, prepare_file, prepare_packed
 from packio.pack.report import history_of
 from packio.pack.workers import cpus
@@ -84,6 +84,7 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
     if append and (overwrite or scheduler is not None):
         raise PackioError(f"{dst}: --append adds to the dataset; it cannot be combined with "
                           f"{'--overwrite' if overwrite else '--scheduler'} (drop one of them)")
+    check_not_inside_dataset(dst)
     if not append:
         check_output(dst, overwrite)
     if not dst.parent.is_dir():
