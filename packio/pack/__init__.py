@@ -21,7 +21,7 @@ from packio.errors import PackioError, SourceError
 from packio.formats.base import Reader
 from packio.options import PackOptions, merge_options
 from packio.pack.append import (Relabeled, check_keys, commit_part, existing, first_key, merge_names, part_name,
-                                stored_options)
+                                stored_options, unlabelled)
 from packio.pack.commit import check_output, output_lock, remove, staged, temp_name, terminate_cleanly
 from packio.pack.distributed import client_for, write_parts
 from packio.pack.plan import Source, check_request, declared_shape, open_source, output_format, plan
@@ -142,7 +142,10 @@ def _append(src: Path | Reader, dst: Path, options: PackOptions, packed: bool, c
     """Pack ``src`` as one more part of the dataset at ``dst`` (see packio.pack.append)."""
     old = existing(dst)
     options = stored_options(dst, old, options)
-    source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
+    # the target's rule: where it has classes, the source's folders are classes, even one
+    source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
+                         folder_classes=bool(old.classes))
+    unlabelled(source, dst, old)
     classes, label_ids = merge_names(old.classes, source.classes)
     box_classes, box_ids = None, label_ids  # box labels index the classes, in both
     if old.box_classes is not None or source.box_classes is not None:

@@ -39,7 +39,7 @@ from packio.pack.prepare import Packed, Result
 from packio.sources.names import class_name
 
 __all__ = ["BASE_PART", "existing", "stored_options", "merge_names", "Relabeled", "first_key", "part_entry",
-           "with_id", "commit_part"]
+           "with_id", "commit_part", "unlabelled"]
 
 BASE_PART = "part-00000.json"  # the manifest of a single-part dataset's own files, once it has grown
 
@@ -78,6 +78,19 @@ def stored_options(dst: Path, m: Manifest, options: PackOptions) -> PackOptions:
             raise PackioError(f"{dst} stores {name}={shown!r}, but this append asks for {name}={given!r}: every "
                               f"part keeps the dataset's settings; drop that option (or convert into a new dataset)")
     return dataclasses.replace(options, **stored)
+
+
+def unlabelled(source: Any, dst: Path, old: Manifest) -> None:
+    """Refuse a source that would give a labelled dataset images without a label: one
+    with no class names at all (flat images, or a packed dataset without classes)."""
+    if old.classes and not source.classes:
+        shown = ", ".join(old.classes[:5]) + (", ..." if len(old.classes) > 5 else "")
+        what = ("its samples have no class names" if source.reader is not None else
+                "its images sit in no class folder and no CSV gives them a label")
+        raise PackioError(f"{source.path}: {what}, but {dst} is labelled (classes: {shown}); appended as they are, "
+                          f"every one would get label -1. Put the images in class folders ({source.path}/"
+                          f"{old.classes[0]}/..., or a new class's name), or give a CSV with a label column; "
+                          f"nothing was appended")
 
 
 def merge_names(old: list[str], new: list[str]) -> tuple[list[str], np.ndarray]:

@@ -93,8 +93,9 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
 
 
 def open_source(src: Path | Reader, packed: bool, csv: str | Path | None, columns: dict[str, str] | None, *,
-                strict: bool, follow_symlinks: bool) -> Source:
-    """The inputs of ``src``: a packed dataset's samples, or an image folder's listing."""
+                strict: bool, follow_symlinks: bool, folder_classes: bool = False) -> Source:
+    """The inputs of ``src``: a packed dataset's samples, or an image folder's listing
+    (``folder_classes``: see :func:`packio.sources.scan_source`)."""
     if packed:
         reader = src if isinstance(src, Reader) else open_reader(src)
         # str, not Path: Path folds a URL's "//"; a remote reader's str never holds credentials
@@ -105,7 +106,8 @@ def open_source(src: Path | Reader, packed: bool, csv: str | Path | None, column
         if not source.tasks:
             raise SourceError(f"{src}: the packed dataset holds no samples; nothing to convert")
         return source
-    scan = scan_source(src, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
+    scan = scan_source(src, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
+                       folder_classes=folder_classes)
     info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
     info["csv_unused_text"] = census.unused_text_columns(csv, scan.info.get("csv_columns"))
     if not scan.items:
