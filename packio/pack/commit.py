@@ -23,8 +23,8 @@ from packio.formats import open_reader
 from packio.formats.base import Reader
 from packio.manifest import MANIFEST_NAME, trust_manifest
 
-__all__ = ["TMP_MARK", "check_output", "check_not_inside_dataset", "output_lock", "terminate_cleanly", "staged", "temp_name", "commit",
-           "clean_stale", "stale", "is_dataset", "remove", "fsync_tree"]
+__all__ = ["TMP_MARK", "check_output", "check_not_inside_dataset", "output_lock", "terminate_cleanly", "staged",
+           "temp_name", "commit", "clean_stale", "stale", "is_dataset", "remove", "fsync_tree"]
 
 TMP_MARK = ".packio-tmp-"
 
@@ -107,7 +107,8 @@ def check_not_inside_dataset(dst: Path) -> None:
         if rel in listed:
             raise PackioError(f"{dst} is part {listed.index(rel) + 1} of the dataset {above}, which lists each "
                               f"part by id: converting into a part alone would change it under the dataset, which "
-                              f"would then refuse to open. Append to the whole dataset (packio convert SRC {above} --append), or write elsewhere")
+                              f"would then refuse to open. Append to the whole dataset (packio convert SRC {above} "
+                              f"--append), or write elsewhere")
         raise PackioError(f"{dst} lies inside the packio dataset {above}, whose folder holds only its own files; "
                           f"write the output elsewhere")
 

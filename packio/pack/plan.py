@@ -5,14 +5,17 @@ manifest records) with the function that prepares one input."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import re
+import shutil
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from packio import census, limits
 from packio.errors import FormatError, PackioError, SourceError
@@ -20,15 +23,15 @@ from packio.formats import format_for_path, formats, get_format, is_packed, open
 from packio.formats.base import FormatSpec, Reader, WriteOptions
 from packio.manifest import Manifest
 from packio.options import PackOptions
-from packio.pack.commit import check_not_inside_dataset, check_output
+from packio.pack.commit import check_not_inside_dataset, check_output, remove, temp_name
 from packio.pack.prepare import Prep, Result, prepare_file, prepare_packed
 from packio.pack.report import history_of
 from packio.pack.workers import cpus
 from packio.pack.write import Job
 from packio.sources import scan_source
 
-__all__ = ["Source", "check_request", "open_source", "plan", "output_format", "plan_shards", "declared_shape",
-           "MIN_SHARD_SAMPLES", "MAX_SHARD_SAMPLES"]
+__all__ = ["Source", "check_request", "readable_csv", "open_source", "plan", "output_format", "plan_shards",
+           "declared_shape", "MIN_SHARD_SAMPLES", "MAX_SHARD_SAMPLES"]
 
 # Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
@@ -90,6 +93,36 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
     if not dst.parent.is_dir():
         raise PackioError(f"{dst.parent}: the output's folder does not exist; create it first")
     return src if given is None else given, dst, spec, packed_src
+
+
+@contextlib.contextmanager
+def readable_csv(csv: str | Path | None, dst: Path) -> Iterator[str | Path | None]:
+    """``csv``, or, when it is a pipe or FIFO (``--csv <(zcat a.csv.gz)``), a copy of what it
+    held, read once into a temporary file beside the output (where a Dask worker reads it
+    too), removed when the block ends. Errors inside name ``csv``, never the copy."""
+    try:
+        piped = csv is not None and stat.S_ISFIFO(os.stat(csv).st_mode)
+    except OSError:
+        piped = False  # the CSV reader names the problem
+    if not piped:
+        yield csv
+        return
+    tmp = temp_name(dst)
+    tmp = tmp.with_name(f"{tmp.name}.csv")  # cleaned as the output's temporaries are, once its process is gone
+    try:
+        try:
+            with open(csv, "rb") as pipe, open(tmp, "xb") as out:  # type: ignore[arg-type]
+                shutil.copyfileobj(pipe, out, 1 << 20)
+        except OSError as exc:
+            raise SourceError(f"{csv}: the CSV stream could not be read or copied beside {dst} "
+                              f"({exc.strerror or exc}); save it to a file and give that") from None
+        yield tmp
+    except PackioError as exc:
+        if str(tmp) not in str(exc):
+            raise
+        raise type(exc)(str(exc).replace(str(tmp), str(csv))) from None
+    finally:
+        remove(tmp)
 
 
 def open_source(src: Path | Reader, packed: bool, csv: str | Path | None, columns: dict[str, str] | None, *,
