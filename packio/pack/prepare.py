@@ -156,7 +156,7 @@ def prepare_file(prep: Prep, item: SourceItem) -> Result:
     if isinstance(placed, str):
         return Skipped("CSV width/height fit neither the image nor its EXIF-upright view", f"{item.path} ({placed})")
     boxes, notes = placed
-    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label, boxes=boxes,
+    s = Sample(key=text_key(item.key), payload=data, encoding=enc, label=item.label, boxes=boxes,
                box_labels=np.asarray(item.box_labels, np.int64), width=w, height=h)
     s.checksum = checksum(data)
     out = _finish(prep, s, item.path, orientation)

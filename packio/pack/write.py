@@ -20,7 +20,7 @@ from packio.manifest import Manifest
 from packio.pack.prepare import Result, Skipped
 from packio.pack.report import image_facts
 from packio.pack.workers import progress_bar, results
-from packio.sample import Sample, checksum
+from packio.sample import Sample, checksum, text_key
 
 __all__ = ["Job", "write_part"]
 
@@ -64,7 +64,7 @@ def write_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: Pa
                     if job.strict:
                         raise SourceError(f"{r.where}: {r.reason} (--strict)")
                     skipped[r.reason] += 1
-                    problems.append(f"{r.where}: {r.reason}")
+                    problems.append(text_key(f"{r.where}: {r.reason}"))
                     continue
                 sample = r.sample
                 sums[n_sums] = _sum64(sample)

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from packio.errors import SourceError
+from packio.sample import text_key
 from packio.sources.csvrows import Rows, read_csv
 from packio.sources.join import join
 from packio.sources.names import class_name
@@ -88,8 +89,8 @@ class Scan:
 
 
 def problem(reason: str, where: str, detail: str = "") -> str:
-    """A skip's line in the summary's problems."""
-    return f"{where}: {reason}" + (f" ({detail})" if detail else "")
+    """A skip's line in the summary's problems (a name's bytes that are not UTF-8 as ``\\xNN``)."""
+    return text_key(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
 
 
 def sort_classes(names: set[str]) -> list[str]:
