@@ -200,9 +200,11 @@ def test_second_append_waits_for_the_lock(tmp_path: Path) -> None:
     a, b = make(tmp_path / "a", ["x", "y"], 2, "a"), make(tmp_path / "b", ["x", "y"], 2, "b")
     ds = tmp_path / "ds.wds"
     packio.convert(a, ds, progress=False, workers=0)
+    (tmp_path / "link.wds").symlink_to(ds)  # the same dataset by another name: the same lock
     with output_lock(ds):  # another conversion or append holds it
-        with pytest.raises(OutputBusyError, match="another packio conversion"):
-            packio.convert(b, ds, append=True, progress=False)
+        for name in (ds, tmp_path / "link.wds"):
+            with pytest.raises(OutputBusyError, match="another packio conversion"):
+                packio.convert(b, name, append=True, progress=False)
     assert len(packio.open_reader(ds)) == 4
 
 

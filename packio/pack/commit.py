@@ -128,10 +128,13 @@ def check_output(dst: Path, overwrite: bool) -> None:
 @contextlib.contextmanager
 def output_lock(dst: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``dst`` for the whole conversion (a lock file beside
-    it): a second conversion to the same path fails at once instead of racing this one."""
+    it): a second conversion to the same path fails at once instead of racing this one.
+    The lock is the resolved path's: two appends through a symlink and the real name
+    would otherwise both commit, the second dropping the first's part."""
     import fcntl
 
-    path = dst.with_name(f".{dst.name}.packio-lock")
+    real = Path(os.path.realpath(dst))
+    path = real.with_name(f".{real.name}.packio-lock")
     while True:
         try:
             # never through a planted symlink (it would create a file where it points), never blocking
