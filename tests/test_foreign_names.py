@@ -168,3 +168,15 @@ def test_an_image_folder_with_names_that_are_not_utf8(tmp_path: Path) -> None:
     assert r.manifest.classes == ["caf\\xe9", "dog"]
     assert [(s.key, s.label) for s in map(r.read, range(3))] == [
         ("caf\\xe9/x\\xe90.jpg", 0), ("dog/d0.jpg", 1), ("caf\\xe9/x\\xe91.jpg", 0)]
+
+
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5", ".wds"])
+def test_a_dataset_path_that_is_not_utf8(tmp_path: Path, suffix: str) -> None:
+    """Every format writes, reads, verifies and grows at a path that is not UTF-8 (before: LMDB
+    ended in UnicodeEncodeError)."""
+    out = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9" + suffix.encode()))
+    packio.convert(latin1(tmp_path), out, progress=False, workers=0, **FORMATS[suffix])
+    assert packio.verify(out).ok and len(packio.open_dataset(out)) == 3
+    if suffix != ".h5":
+        packio.convert(labelled(tmp_path / "more", 2, [b"0"], [None]), out, append=True, progress=False, workers=0)
+        assert packio.verify(out).ok and len(packio.open_reader(out)) == 5
