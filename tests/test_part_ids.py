@@ -29,20 +29,29 @@ def grown(tmp_path: Path, suffix: str) -> tuple[Path, list[tuple[str, str]]]:
     return ds, contents(ds)
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".wds", ".bmpdir", ".arrays"])
-def test_a_part_is_no_conversion_target(tmp_path: Path, suffix: str) -> None:
-    ds, before = grown(tmp_path, suffix)
+def test_a_part_is_no_conversion_target_as_a_user_types_it(tmp_path: Path) -> None:
+    ds, before = grown(tmp_path, ".lmdb")
     other = make(tmp_path / "other", ["x", "y"], 2, "o")
-    part = ds / f"part-00001{suffix}"
     for flag in ("--overwrite", "--append"):
-        r = run("convert", str(other), str(part), flag, "--workers", "0", *SIZED.get(suffix, []))
+        r = run("convert", str(other), str(ds / "part-00001.lmdb"), flag, "--workers", "0")
         assert r.returncode == 2, r.stdout
         assert f"is part 2 of the dataset {ds}" in r.stderr and "--append" in r.stderr, r.stderr
-    r = run("convert", str(other), str(ds / "new.lmdb"), "--workers", "0")
-    assert r.returncode == 2 and f"inside the packio dataset {ds}" in r.stderr, r.stderr
     assert contents(ds) == before
     r = run("verify", str(ds))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("suffix", [".wds", ".bmpdir", ".arrays"])
+def test_a_part_is_no_conversion_target(tmp_path: Path, suffix: str) -> None:
+    ds, before = grown(tmp_path, suffix)
+    other = make(tmp_path / "other", ["x", "y"], 2, "o")
+    size = {"resize": packio.ResizeSpec(size=(12, 16))} if suffix in SIZED else {}
+    for how in ({"overwrite": True}, {"append": True}):
+        with pytest.raises(packio.PackioError, match=f"is part 2 of the dataset {ds}"):
+            packio.convert(other, ds / f"part-00001{suffix}", progress=False, workers=0, **how, **size)
+    with pytest.raises(packio.PackioError, match=f"inside the packio dataset {ds}"):
+        packio.convert(other, ds / "new.lmdb", progress=False, workers=0)
+    assert contents(ds) == before and packio.verify(ds).ok
 
 
 def _replace_part(tmp_path: Path, ds: Path, suffix: str) -> None:
@@ -65,14 +74,18 @@ def _grow_part(tmp_path: Path, ds: Path, suffix: str) -> None:
 
 @pytest.mark.parametrize("suffix", [".lmdb", ".wds"])
 @pytest.mark.parametrize("change", [_replace_part, _grow_part])
-def test_a_part_changed_on_its_own_is_refused(tmp_path: Path, suffix: str, change) -> None:
+def test_a_part_changed_on_its_own_is_refused(tmp_path: Path, suffix: str, change,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from packio.cli import main
+
     ds, _ = grown(tmp_path, suffix)
     change(tmp_path, ds, suffix)
     for fn in (packio.open_reader, packio.verify, packio.open_dataset):
         with pytest.raises(DatasetReplacedError, match=f"its part 'part-00001{suffix}' is not the one"):
             fn(ds)
-    r = run("info", str(ds))
-    assert r.returncode == 2 and "part-00001" in r.stderr and "re-pack" in r.stderr, r.stderr
+    assert main(["info", str(ds)]) == 2
+    err = capsys.readouterr().err
+    assert "part-00001" in err and "re-pack" in err, err
 
 
 def test_the_first_part_is_checked_by_id_too(tmp_path: Path) -> None:
