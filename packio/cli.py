@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 MAX_SIDE = 16384  # pixels: the largest --size / --short-side / --crop side accepted
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -352,14 +354,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from packio.errors import PackioError
 
+    with _escaping_output():
+        try:
+            return args.fn(args)
+        except PackioError as exc:
+            print(f"packio: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("packio: interrupted; no output was committed", file=sys.stderr)
+            return 130
+
+
+@contextlib.contextmanager
+def _escaping_output() -> Iterator[None]:
+    """stdout and stderr write what they cannot encode as escapes while a command runs:
+    a name's bytes that are not UTF-8 (a lone surrogate in Python) ended a command in a
+    UnicodeEncodeError under a strict UTF-8 locale (en_US.UTF-8)."""
+    streams = [(s, s.errors) for s in (sys.stdout, sys.stderr) if isinstance(s, io.TextIOWrapper)]
+    for stream, _ in streams:
+        stream.reconfigure(errors="backslashreplace")
     try:
-        return args.fn(args)
-    except PackioError as exc:
-        print(f"packio: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("packio: interrupted; no output was committed", file=sys.stderr)
-        return 130
+        yield
+    finally:
+        for stream, errors in streams:
+            stream.reconfigure(errors=errors)
 
 
 if __name__ == "__main__":

@@ -184,3 +184,41 @@ def test_info_of_hostile_numbers_says_invalid_and_never_crashes(tmp_path, capsys
             if where in COUNTS and not valid and value is not None:  # None: a line may be left out, as for 0
                 # shown as invalid, or the dataset refused as damaged
                 assert "invalid" in out if rc == 0 else not out, (where, value, out)
+
+
+def _dump(path: Path) -> list[tuple]:
+    r = __import__("packio").open_reader(path)
+    return [(s.key, s.label, s.boxes.tolist(), s.box_labels.tolist()) for s in map(r.read, range(len(r)))]
+
+
+def test_a_csv_from_a_pipe_or_fifo_is_read_once(gen_folder, tmp_path):
+    """``--csv <(zcat boxes.csv.gz)`` as a user types it (issue 38: refused as 'not a regular
+    file'), and a FIFO given to an append: packed as from the file, the copy removed."""
+    import gzip
+    import os
+    import threading
+
+    import packio
+
+    src, csv = gen_folder
+    (tmp_path / "boxes.csv.gz").write_bytes(gzip.compress(csv.read_bytes()))
+    r = subprocess.run(["bash", "-c", 'exec "$0" -m packio convert "$1" "$2" --csv <(zcat "$3") --quiet',
+                        sys.executable, src, tmp_path / "piped.lmdb", tmp_path / "boxes.csv.gz"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    packio.convert(src, tmp_path / "file.lmdb", csv=csv, progress=False, workers=0)
+    assert _dump(tmp_path / "piped.lmdb") == _dump(tmp_path / "file.lmdb")
+    assert packio.open_reader(tmp_path / "piped.lmdb").manifest.source["csv"].startswith("/dev/fd/")
+    (tmp_path / "more" / "cats").mkdir(parents=True)
+    (tmp_path / "more" / "cats" / "new.jpg").write_bytes((src / "cats" / "cats_01.jpg").read_bytes())
+    os.mkfifo(tmp_path / "more.csv")
+
+    def feed() -> None:
+        with open(tmp_path / "more.csv", "w") as f:
+            f.write("filename,class,xmin,ymin,xmax,ymax\nnew.jpg,box_cats,1,2,8,9\n")
+
+    threading.Thread(target=feed, daemon=True).start()
+    s = packio.convert(tmp_path / "more", tmp_path / "piped.lmdb", csv=tmp_path / "more.csv", append=True,
+                       progress=False, workers=0)
+    assert s.packed == 1 and _dump(tmp_path / "piped.lmdb")[-1][1:] == (0, [[1.0, 2.0, 8.0, 9.0]], [0])
+    assert sorted(p.name for p in tmp_path.iterdir() if "packio-tmp" in p.name) == []

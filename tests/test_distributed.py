@@ -53,6 +53,11 @@ def test_local_cluster_matches_single_process(cluster, tmp_path, suffix):
     assert dist.packed == single.packed == 397 and dist.skipped == single.skipped
     m = packio.open_reader(tmp_path / f"dist{suffix}").manifest
     assert len(m.extra["parts"]) == 5 and sum(p["count"] for p in m.extra["parts"]) == 397
+    part = tmp_path / f"dist{suffix}" / m.extra["parts"][1]["path"]
+    assert [p["id"] for p in m.extra["parts"]] == [
+        packio.open_reader(tmp_path / f"dist{suffix}" / p["path"]).manifest.id for p in m.extra["parts"]]
+    with pytest.raises(packio.PackioError, match=f"is part 2 of the dataset {tmp_path / f'dist{suffix}'}"):
+        packio.convert(tmp_path / f"single{suffix}", part, overwrite=True, progress=False)  # h5: a file part
     _same(tmp_path / f"single{suffix}", tmp_path / f"dist{suffix}")
     assert packio.verify(tmp_path / f"dist{suffix}").ok
     it = packio.open_dataset(tmp_path / f"dist{suffix}", iterable=True, decode=False, shuffle=True,

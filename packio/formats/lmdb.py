@@ -40,7 +40,7 @@ class LMDBWriter(Writer):
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         try:  # a disk too full for LMDB's lock and meta pages fails here
-            self._env = lmdb.open(str(path), map_size=self._map_size, subdir=True, sync=False,
+            self._env = lmdb.open(os.fsencode(path), map_size=self._map_size, subdir=True, sync=False,
                                   metasync=False, readahead=False, meminit=False, max_dbs=0)
         except lmdb.Error as exc:
             raise self._write_error(exc) from None
@@ -133,7 +133,7 @@ def _shared_env(path: Path, ident: str) -> lmdb.Environment:
     if key not in _ENVS:
         # lock=False: readers never write; readahead stays on (shared/PERF-NOTES.md:
         # LMDB lost 32-41% cold with readahead=False on this kind of machine).
-        _ENVS[key] = [lmdb.open(key[0], readonly=True, lock=False, subdir=True, readahead=True,
+        _ENVS[key] = [lmdb.open(os.fsencode(key[0]), readonly=True, lock=False, subdir=True, readahead=True,
                                 meminit=False, max_readers=2048), 0]
     _ENVS[key][1] += 1
     return _ENVS[key][0]

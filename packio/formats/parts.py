@@ -1,6 +1,7 @@
-"""Multi-part datasets (written by distributed conversion): a folder whose manifest
-lists parts, each a complete dataset of the same format. Global indexing runs
-across the parts in order; streaming uses each part's units."""
+"""Multi-part datasets (written by distributed conversion or ``convert --append``): a
+folder whose manifest lists parts, each a complete dataset of the same format, by path,
+count and manifest id. Global indexing runs across the parts in order; streaming uses
+each part's units."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from packio import limits
-from packio.errors import FormatError
+from packio.errors import DatasetReplacedError, FormatError
 from packio.formats.base import FormatSpec, Reader, inside
 from packio.manifest import MANIFEST_NAME, Manifest
 from packio.sample import Sample
@@ -27,7 +28,7 @@ class MultiPartReader(Reader):
         parts = manifest.extra.get("parts")
         if not isinstance(parts, list) or not all(
                 isinstance(p, dict) and isinstance(p.get("path"), str) and isinstance(p.get("count"), int)
-                for p in parts):
+                and isinstance(p.get("id", ""), str) for p in parts):
             raise FormatError(f"{path}: manifest 'parts' is malformed; re-pack the dataset")
         self.parts: list[Reader] = []
         seen: set[Path] = set()
@@ -48,21 +49,27 @@ class MultiPartReader(Reader):
     def _part(path: Path, p: dict[str, Any], manifest: Manifest, spec: FormatSpec) -> Reader:
         """The reader of one listed part: a sub-folder dataset, or (a dataset grown by
         ``convert --append``) the top folder's own files, described by the manifest file
-        the part names."""
+        the part names. A part listed with its manifest id must still hold that id."""
         sub = inside(path, p["path"])
         if sub != path.resolve():
             m = spec.reader.read_manifest(sub)
-            if m.format != manifest.format or "parts" in m.extra:
-                raise FormatError(f"{sub}: not a {manifest.format} part; the dataset is damaged, re-pack it")
-            return spec.reader(sub, m)
-        name = p.get("manifest")
-        if not isinstance(name, str) or name == MANIFEST_NAME or "/" in name:
-            raise FormatError(f"{path}: part {p['path']!r} is the dataset itself; re-pack the dataset")
-        where = inside(path, name)
-        m = Manifest.from_json(limits.read_regular(where, limits.MAX_MANIFEST_BYTES), str(where))
+            where, folder = sub, sub
+        else:
+            name = p.get("manifest")
+            if not isinstance(name, str) or name == MANIFEST_NAME or "/" in name:
+                raise FormatError(f"{path}: part {p['path']!r} is the dataset itself; re-pack the dataset")
+            where, folder = inside(path, name), path
+            m = Manifest.from_json(limits.read_regular(where, limits.MAX_MANIFEST_BYTES), str(where))
+        if "id" in p and m.id != p["id"]:
+            named = f"{p['path']!r}" + (f" (manifest {where.name})" if folder == path else "")
+            raise DatasetReplacedError(
+                f"{path}: its part {named} is not the one {MANIFEST_NAME} lists (id "
+                f"{m.id or 'none'}, listed {p['id'] or 'none'}): the part was replaced or grown on its own, by a "
+                f"conversion into it or by hand. Put the original part back, or re-pack the dataset; a part is "
+                f"never a conversion target: append to {path.name} itself")
         if m.format != manifest.format or "parts" in m.extra:
             raise FormatError(f"{where}: not a {manifest.format} part; the dataset is damaged, re-pack it")
-        return spec.reader(path, m)
+        return spec.reader(folder, m)
 
     def check_stored(self) -> list[str]:
         return [f"{r.path.name if r.path != self.path else '.'}: {line}" for r in self.parts

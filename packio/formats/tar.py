@@ -27,7 +27,8 @@ from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, Reader, WriteOpti
                                  pack_record, payload_bytes, unpack_record)
 from packio.formats.spill import SpilledColumn
 from packio.manifest import Manifest
-from packio.sample import EXTENSIONS, Sample
+from packio.sample import EXTENSIONS, Sample, text_key
+from packio.sources.names import class_name
 
 __all__ = ["TarWriter", "TarReader", "FORMAT", "expand_pattern", "gather", "scan_shard", "tar_pattern"]
 
@@ -35,6 +36,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX = "index.npy"
 MAX_OPEN_SHARDS = 64  # shard descriptors one reader keeps open per process
 _SPILL = 1 << 13  # index rows a writer holds
+_MAX_NAME_BYTES = 256  # a .cls member read as a label: longer, it is no class index or name
 
 
 def _member(name: str, data: bytes | memoryview) -> tarfile.TarInfo:
@@ -146,17 +148,44 @@ def _check_member(m: tarfile.TarInfo, shard: Path) -> None:
         raise FormatError(f"{shard}: member {name!r} is a GNU sparse file; refusing this tar")
 
 
-def _label(tf: tarfile.TarFile, m: tarfile.TarInfo, shard: Path) -> int:
-    """A ``.cls`` member's class index (-1 when it holds none)."""
-    f = tf.extractfile(m)
+def _cls_label(tf: tarfile.TarFile, m: tarfile.TarInfo, shard: Path) -> int | str:
+    """A ``.cls`` member's label: a class index (-1: none), or a class name where it holds
+    text (``cat``); -1 when it holds no text (binary, empty, over ``_MAX_NAME_BYTES``)."""
+    f = tf.extractfile(m) if m.size <= _MAX_NAME_BYTES else None
     try:
-        label = int(f.read(32).decode().strip()) if f else -1
-    except (ValueError, UnicodeDecodeError):
+        text = f.read(m.size).decode().strip() if f else ""
+    except UnicodeDecodeError:
         return -1
+    try:
+        label = int(text)
+    except ValueError:
+        return class_name(text) if text.isprintable() and text else -1
     if not -1 <= label < limits.MAX_CLASSES:  # one class name is made per index up to the largest
-        raise FormatError(f"{shard}: {m.name} holds the label {label}, outside 0..{limits.MAX_CLASSES - 1}; "
+        raise FormatError(f"{shard}: {m.name!r} holds the label {label}, outside 0..{limits.MAX_CLASSES - 1}; "
                           f"packio reads .cls members as class indices")
     return label
+
+
+def _json_labels(tf: tarfile.TarFile, m: tarfile.TarInfo) -> tuple[int, int]:
+    """The image label of a stranger's ``.json`` (-1: none) and its largest box label (-1:
+    none): what :func:`_fitting` would keep of them, read once at the scan so the class
+    list covers every label read later."""
+    f = tf.extractfile(m)
+    data = f.read(m.size) if f else b""
+    if b"label" not in data:  # most metadata never names one: not parsed
+        return -1, -1
+    try:
+        extra = limits.loads_json(data, "json", limits.MAX_RECORD_BYTES)
+    except FormatError:
+        return -1, -1
+    label = extra.get("label") if isinstance(extra, dict) else None
+    boxes = _fitting(extra).get("box_labels", [])
+    return (label if _class_index(label) else -1,
+            max((b for b in boxes if _class_index(b)), default=-1))
+
+
+def _class_index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < limits.MAX_CLASSES
 
 
 class _HeaderCap:
@@ -177,35 +206,21 @@ class _HeaderCap:
         return getattr(self.raw, name)
 
 
-def scan_shard(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, list[str], list[int]]:
-    """Index one shard: rows (shard, img off, img size, json off, json size), keys, labels."""
-    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
-    order: list[str] = []
+Scan = tuple[np.ndarray, list[str], list[int | str], int]
+
+
+def scan_shard(shard: Path, shard_no: int, strict: bool) -> Scan:
+    """Index one shard: rows (shard, img off, img size, json off, json size), keys, each
+    sample's label (its ``.cls``, else its ``.json``'s: an index or a class name, -1 none),
+    and the largest box label of any ``.json`` (-1: none)."""
+    labels: list[int | str] = []
+    rows, keys, box_top = [], [], -1
     try:
         fd = limits.open_regular(shard)
-        with os.fdopen(fd, "rb") as raw, tarfile.open(fileobj=_HeaderCap(raw, shard), mode="r:") as tf:
-            size = os.fstat(fd).st_size
-            for m in tf:
-                _check_member(m, shard)
-                if not m.isfile():
-                    continue
-                limits.check_span(m.offset_data, m.size, size, f"{shard}: member {m.name!r}")
-                base = m.name.rsplit("/", 1)[-1]
-                if "." not in base:
-                    continue
-                stem, ext = base.split(".", 1)
-                key = m.name[: len(m.name) - len(base)] + stem
-                if key not in groups:
-                    groups[key] = {}
-                    order.append(key)
-                if ext.lower() in groups[key]:  # never let a later member replace the first one silently
-                    raise FormatError(f"{shard}: member {m.name!r} repeats the key {key!r} (a duplicate key: two "
-                                      f"samples would be one); give every sample its own key in the shard")
-                groups[key][ext.lower()] = m
-            labels: list[int] = []
-            rows, keys = [], []
-            for key in order:
-                g = groups[key]
+        with os.fdopen(fd, "rb") as raw, tarfile.open(fileobj=_HeaderCap(raw, shard), mode="r:", encoding="utf-8",
+                                                      errors="surrogateescape") as tf:
+            groups = _groups(tf, shard, os.fstat(fd).st_size)
+            for key, g in groups.items():
                 img = next((g[e] for e in IMAGE_EXTS if e in g), None)
                 if img is None:
                     if strict:
@@ -217,14 +232,37 @@ def scan_shard(shard: Path, shard_no: int, strict: bool) -> tuple[np.ndarray, li
                 js = g.get("json")
                 if js is not None and js.size > limits.MAX_RECORD_BYTES:
                     js = None  # metadata too big to be packio's record (polygons, ...): ignored, as unfitting
-                label = _label(tf, g["cls"], shard) if "cls" in g else -1
+                label, box = _json_labels(tf, js) if js is not None else (-1, -1)
                 rows.append((shard_no, img.offset_data, img.size,
                              js.offset_data if js else -1, js.size if js else 0))
                 keys.append(key)
-                labels.append(label)
+                labels.append(_cls_label(tf, g["cls"], shard) if "cls" in g else label)  # .cls first, as webdataset
+                box_top = max(box_top, box)
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise FormatError(f"{shard}: not a readable tar shard ({exc})") from None
-    return np.asarray(rows, np.int64).reshape(-1, 5), keys, labels
+    return np.asarray(rows, np.int64).reshape(-1, 5), keys, labels, box_top
+
+
+def _groups(tf: tarfile.TarFile, shard: Path, size: int) -> dict[str, dict[str, tarfile.TarInfo]]:
+    """The shard's members grouped by key (in order), each group by extension; a key that is
+    not UTF-8 is written with ``\\xNN`` escapes (:func:`packio.sample.text_key`)."""
+    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+    for m in tf:
+        _check_member(m, shard)
+        if not m.isfile():
+            continue
+        limits.check_span(m.offset_data, m.size, size, f"{shard}: member {m.name!r}")
+        base = m.name.rsplit("/", 1)[-1]
+        if "." not in base:
+            continue
+        stem, ext = base.split(".", 1)
+        key = text_key(m.name[: len(m.name) - len(base)] + stem)
+        group = groups.setdefault(key, {})
+        if ext.lower() in group:  # never let a later member replace the first one silently
+            raise FormatError(f"{shard}: member {m.name!r} repeats the key {key!r} (a duplicate key: two "
+                              f"samples would be one); give every sample its own key in the shard")
+        group[ext.lower()] = m
+    return groups
 
 
 def _check_rows(where: Path, index: np.ndarray) -> None:
@@ -315,18 +353,20 @@ def expand_pattern(pattern: str) -> tuple[str, list[str]]:
     return prefix, rels
 
 
-def gather(scans: list[tuple[np.ndarray, list[str], list[int]]]
-           ) -> tuple[np.ndarray, dict[int, tuple[str, int]], list[str]]:
+def gather(scans: list[Scan]) -> tuple[np.ndarray, dict[int, tuple[str, int]], list[str]]:
     """Foreign shards' scans (see ``scan_shard``) as one index, index -> (key, label), and the
-    class names (``"0"``.. the largest label)."""
-    rows, foreign = [], {}
-    for r, keys, labels in scans:
-        for k, lab in zip(keys, labels):
-            foreign[len(foreign)] = (k, lab)
+    class names: ``"0"``.. the largest index any label or box label takes, then the names
+    ``.cls`` members give as text, sorted. Every label read is one of them."""
+    rows, found, top = [], [], -1
+    for r, keys, labels, box_top in scans:
+        found += zip(keys, labels)
+        top = max(top, box_top, max((lab for lab in labels if isinstance(lab, int)), default=-1))
         rows.append(r)
     index = np.concatenate(rows) if rows else np.zeros((0, 5), np.int64)
-    top = max((lab for _, lab in foreign.values()), default=-1)
-    return index, foreign, [str(c) for c in range(top + 1)]
+    names = sorted({lab for _, lab in found if isinstance(lab, str)})
+    at = {name: top + 1 + k for k, name in enumerate(names)}
+    foreign = {i: (key, at[lab] if isinstance(lab, str) else lab) for i, (key, lab) in enumerate(found)}
+    return index, foreign, [str(c) for c in range(top + 1)] + names
 
 
 def tar_pattern(path: Path, m: Manifest) -> str | None:
@@ -365,17 +405,15 @@ def _brace(names: list[str]) -> str | None:
 
 
 def _fitting(extra: Any) -> dict[str, Any]:
-    """The fields of another tool's ``.json`` that fit packio's record (an int label
-    below ``limits.MAX_CLASSES``, boxes — with their box labels, or -1 each when it has
-    none —, sizes); the rest (a text label, captions, ...) is ignored. Never the key or
-    a checksum: the member names give the key (as webdataset's), and a stranger's
-    checksum field is not packio's."""
+    """The fields of another tool's ``.json`` that fit packio's record (boxes — with their
+    box labels, or -1 each when it has none —, sizes); the rest (captions, ...) is ignored.
+    Never the label (the scan took it, see :func:`scan_shard`), the key or a checksum: the
+    member names give the key (as webdataset's), and a stranger's checksum field is not
+    packio's."""
     if not isinstance(extra, dict):
         return {}
     whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     fit = {k: extra[k] for k in ("width", "height") if whole(extra.get(k))}
-    if whole(extra.get("label")) and 0 <= extra["label"] < limits.MAX_CLASSES:
-        fit["label"] = extra["label"]
     boxes, box_labels = extra.get("boxes"), extra.get("box_labels")
     if isinstance(boxes, list):
         if not (isinstance(box_labels, list) and len(box_labels) == len(boxes)):

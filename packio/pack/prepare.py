@@ -17,7 +17,7 @@ from packio import geometry as geo
 from packio import limits
 from packio.errors import DatasetReplacedError, PackioError, RemoteError
 from packio.formats.base import Reader
-from packio.sample import Sample, checksum, unstorable
+from packio.sample import Sample, checksum, text_key, unstorable
 from packio.sources import SourceItem, boxes_to_stored_frame, read_image_file
 
 __all__ = ["Prep", "Packed", "Skipped", "Result", "REORIENTED", "prepare_file", "prepare_packed"]
@@ -156,7 +156,7 @@ def prepare_file(prep: Prep, item: SourceItem) -> Result:
     if isinstance(placed, str):
         return Skipped("CSV width/height fit neither the image nor its EXIF-upright view", f"{item.path} ({placed})")
     boxes, notes = placed
-    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label, boxes=boxes,
+    s = Sample(key=text_key(item.key), payload=data, encoding=enc, label=item.label, boxes=boxes,
                box_labels=np.asarray(item.box_labels, np.int64), width=w, height=h)
     s.checksum = checksum(data)
     out = _finish(prep, s, item.path, orientation)
@@ -173,4 +173,5 @@ def prepare_packed(prep: Prep, index: int) -> Result:
         return Skipped("corrupt sample in the source dataset", f"#{index} ({exc})")
     if s.checksum and checksum(s.payload) != s.checksum:  # never launder damage into a fresh checksum
         return Skipped("corrupt sample in the source dataset", f"#{index} {s.key} (checksum mismatch)")
+    s.key = text_key(s.key)  # a stranger's record may hold a lone surrogate: stored as \xNN text
     return _finish(prep, s, s.key)
