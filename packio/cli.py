@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
@@ -161,7 +163,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
     if isinstance(parts, list) and all(isinstance(x, dict) for x in parts):
         listed = [f"{x.get('path')} ({count_text(x.get('count'))} samples)" for x in parts[:20]]
         say(f"parts:    {len(parts)}: {', '.join(listed)}{' ...' if len(parts) > 20 else ''}")
-    say(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
+    say(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}"
+        if m.classes else "classes:  none (no image labels)")
     if m.box_classes:
         bc = m.box_classes
         say(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
@@ -178,9 +181,30 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
     for line in describe_annotations(m):
         say(line)
-    say(f"skipped:  {json.dumps(m.summary.get('skipped', {}))}")
-    say(f"files:    {len(m.files)} listed with checksums")
+    say(f"skipped:  {_skipped_text(m.summary.get('skipped'))}")
+    say(_checksums_text(m))
     return 0
+
+
+def _skipped_text(skipped: Any) -> str:
+    """``3 (corrupt image data 2, unsupported image type (gif) 1)``, or ``none``."""
+    from packio.manifest import count_text
+
+    if not isinstance(skipped, dict) or not skipped:
+        return "none" if skipped in (None, {}) else "invalid"
+    ok = [n for n in skipped.values() if count_text(n) != "invalid"]
+    listed = ", ".join(f"{why} {count_text(n)}" for why, n in list(skipped.items())[:20])
+    return f"{count_text(sum(ok))} ({listed}{' ...' if len(skipped) > 20 else ''})"
+
+
+def _checksums_text(m: Any) -> str:
+    """What the checksums cover: the files the manifest lists, or (one file, which cannot list
+    its own checksum) every sample's record and the arrays the manifest holds digests of."""
+    digests = m.extra.get("digests")
+    if m.files or not isinstance(digests, dict):
+        return f"files:    {len(m.files)} listed with checksums"
+    return (f"files:    one, holding every checksum (a file cannot list its own): each sample's, and the digests "
+            f"of its {len(digests)} arrays ({', '.join(map(str, list(digests)[:10]))}); 'packio verify' checks them")
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
@@ -344,7 +368,18 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rc = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # here, not at exit: a reader gone by now is handled below
+        return rc
+    except BrokenPipeError:  # `packio info x | head -1`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere, without a second error
+        os.close(devnull)
+        return 128 + signal.SIGPIPE  # what `cat` and other tools killed by SIGPIPE report
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
         from packio.bench import main as bench_main
 
