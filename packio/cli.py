@@ -106,7 +106,13 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         print(f"skipped: {line}", file=sys.stderr)
     if len(summary.problems) > len(shown):
         print(f"... and {len(summary.problems) - len(shown)} more (--verbose lists all)", file=sys.stderr)
-    print(summary.text())
+    if a.quiet:  # one line; what needs attention still said, on stderr
+        print(summary.line())
+        for line in summary.warnings():
+            kind, _, text = line.partition(":")
+            print(f"packio: {kind}: {text.strip()}", file=sys.stderr)
+    else:
+        print(summary.text())
     return 0
 
 
@@ -362,7 +368,8 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                    help="tar: samples per shard instead of --shards")
     c.add_argument("--shard-bytes", type=_bytes, default=1 << 30, metavar="SIZE",
                    help="tar: a shard ends at this size too, like 512M (default 1G)")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--quiet", action="store_true",
+                   help="no progress bar, and the summary in one line (warnings still on stderr)")
     c.add_argument("--verbose", action="store_true", help="list every skipped input")
     c.set_defaults(fn=_cmd_convert)
 

@@ -120,7 +120,7 @@ def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
     c, _ = cluster
     src, csv = gen_folder
     r = subprocess.run([sys.executable, "-m", "packio", "convert", str(src), str(tmp_path / "o.wds"), "--csv",
-                        str(csv), "--scheduler", c.scheduler_address, "--parts", "3", "--quiet"],
+                        str(csv), "--scheduler", c.scheduler_address, "--parts", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "packed 14 samples" in r.stdout and len(list((tmp_path / "o.wds").glob("part-*.wds"))) == 3

@@ -689,7 +689,7 @@ def test_hdf5_cut_under_an_open_reader_is_an_error_not_zeros(gen_folder, tmp_pat
 def test_check_decode_from_the_command_line(damaged_folder, tmp_path, capsys):
     from packio.cli import main
 
-    assert main(["convert", str(damaged_folder), str(tmp_path / "o.lmdb"), "--check", "decode", "--quiet"]) == 0
+    assert main(["convert", str(damaged_folder), str(tmp_path / "o.lmdb"), "--check", "decode"]) == 0
     out = capsys.readouterr()
     assert "packed 1 samples" in out.out and "2  corrupt image data" in out.out, out
     assert packio.open_dataset(tmp_path / "o.lmdb").reader.manifest.image["check"] == "decode"
