@@ -387,14 +387,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    if argv[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
-        from packio.bench import main as bench_main
-
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
     from packio.errors import PackioError
 
     try:
+        if argv[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
+            from packio.bench import main as bench_main
+
+            return bench_main(argv[1:])
+        args = build_parser().parse_args(argv)
         return args.fn(args)
     except PackioError as exc:
         print(f"packio: error: {exc}", file=sys.stderr)

@@ -42,6 +42,11 @@ def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list
     workers vs both); give ``workers``, ``prefetch`` or ``threads`` to try every
     combination of ``num_workers`` × ``prefetch_factor`` (persistent workers) ×
     decode ``threads`` instead. Bounded time: trials × seconds."""
+    from packio.errors import PackioError
+
+    if hasattr(dataset, "__len__") and len(dataset) == 0:  # no batch to time (torch's samplers raise a bare ValueError)
+        where = getattr(getattr(dataset, "reader", None), "path", "the dataset")
+        raise PackioError(f"{where}: holds no samples; nothing to tune. Pack some into it first (packio convert)")
     cpus = os.cpu_count() or 1
     if workers is None and prefetch is None and threads is None:
         trials = default_trials(cpus)

@@ -46,3 +46,25 @@ def test_default_plan_is_threads_vs_workers_vs_both(gen_folder, tmp_path, monkey
     pw = {"prefetch_factor": 2, "persistent_workers": True}
     assert seen == [{"num_workers": 0, "threads": 0}, {"num_workers": 0, "threads": 2},
                     {"num_workers": 2, **pw, "threads": 0}, {"num_workers": 1, **pw, "threads": 2}]
+
+
+def test_tune_of_an_empty_dataset_is_a_clean_error(tmp_path, capsys):
+    """``packio bench --tune`` on a dataset of 0 samples: one ``packio: error:`` line naming
+    it, exit status 2 (it was torch's raw ``ValueError: num_samples=0``), as doctor, show and
+    convert answer."""
+    import pytest
+
+    from packio.cli import main
+    from packio.formats.base import WriteOptions
+    from packio.formats.lmdb import LMDBWriter
+    from packio.manifest import Manifest
+
+    path = tmp_path / "empty.lmdb"
+    writer = LMDBWriter(path, WriteOptions())
+    writer.write_manifest(Manifest(format="lmdb", count=0, extra=writer.close()))
+    for args in (["bench", "--tune", str(path)], ["doctor", str(path), "--seconds", "5"], ["show", str(path)]):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"packio: error: {path}") and "no samples" in err[0], err
+    with pytest.raises(packio.PackioError, match="holds no samples; nothing to tune"):
+        packio.tune(packio.open_dataset(path))
