@@ -45,6 +45,26 @@ class Source:
                 return f.read()
         return self._reader.read(i).payload
 
+    def sizes(self, indices: list[int]) -> list[tuple[int, int]]:
+        """(height, width) of these samples as stored, from their headers (a file's first
+        MiB); those whose size cannot be told are left out."""
+        from packio import decode as dec
+
+        out = []
+        for i in indices:
+            try:
+                if self.kind == "folder":
+                    with open(self._paths[i], "rb") as f:
+                        head = f.read(1 << 20)
+                    w, h = dec.image_size(head, dec.sniff(head) or "")
+                else:
+                    s = self._reader.read(i)
+                    w, h = s.width, s.height
+            except (OSError, ValueError, PackioError):
+                continue
+            out.append((int(h), int(w)))
+        return out
+
     def stored_bytes(self, indices: list[int]) -> float:
         """Mean bytes on disk per sample (folder: the sampled files; packed: the whole dataset / count)."""
         if self.kind == "folder":
