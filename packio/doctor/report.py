@@ -130,12 +130,13 @@ def recommendation(d: Diagnosis) -> list[str]:
         lines.append(f"  note: this fixes the {d.size}x{d.size} crop at pack time (flips and GPU-side augmentation "
                      "only).")
         if crops is not None:
-            lines += [f"  with random-resized crops: {crops.title}: {_n(d.expected(crops))} samples/s, "
+            lines += [f"  with random-resized crops: {crops.title}: {figure(d, crops)}, "
                       f"{_mb(crops.full_bytes)}", f"  {crops.convert_line}", *[f"  {x}" for x in crops.reader_lines]]
     if d.needed:
         ok = [c for c in d.candidates if not c.error and d.expected(c) >= d.needed]
+        basis = " by their CPU time (the machine was busy)" if d.busy else ""
         lines.append(f"a {d.step_ms:g} ms step of {d.batch_size} takes {d.needed:.0f} samples/s: "
-                     + (f"kept fed by {', '.join(c.title for c in ok)}" if ok else
+                     + (f"kept fed{basis} by {', '.join(c.title for c in ok)}" if ok else
                         "no layout keeps it fed on these CPUs (expect waits: see the GPU line, or more CPUs)"))
         small = min((c for c in ok if c.keeps_crops), key=lambda c: c.full_bytes, default=None)
         if small is not None and small is not crops:
@@ -275,7 +276,8 @@ def plot(d: Diagnosis, path: Path) -> None:
         ax2.text(r, y, f" {'~' if c.estimated else ''}{_n(r)}" + (f" (measured {_n(c.samples_per_s)})" if d.busy and
                  not c.estimated else " (estimated)" if c.estimated else ""), va="center", fontsize=8)
     ax2.set_yticks(range(len(ranked)), [c.title + (" (now)" if c.now else "") for c in ranked], fontsize=8)
-    ax2.set_xlabel(f"samples/s with {d.cpus} CPUs (batch {d.batch_size}, {d.size}x{d.size}), measured"
+    ax2.set_xlabel(f"samples/s with {d.cpus} CPUs (batch {d.batch_size}, {d.size}x{d.size})"
+                   + ("" if d.busy else ", measured")
                    + ("\nhatched: estimated from CPU time per sample (the machine was busy), measured in brackets"
                       if d.busy else "") + ("; ~: estimated from stage costs" if any(c.estimated for c in ranked)
                                             else ""))
@@ -287,7 +289,7 @@ def plot(d: Diagnosis, path: Path) -> None:
     if log_axis(values):  # rates spanning decades: a linear axis flattens the slow bars against zero
         ax2.set_xscale("log")
         ax2.set_xlabel(ax2.get_xlabel() + " (log scale)")
-        ax2.set_xlim(min(values) / 2, max(values) * 3)
+        ax2.set_xlim(min(values) / 2, max(values) * (8 if d.busy else 3))  # room for the labels
     else:
         ax2.set_xlim(0, max(values) * 1.18 if values else 1)
     fig.suptitle(f"packio doctor — {d.source}", fontsize=10)
