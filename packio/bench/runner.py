@@ -4,7 +4,7 @@ limits and a naive per-file baseline. ``packio bench --help``.
 Every read measurement runs in a fresh subprocess (isolated RSS, page cache state
 and worker pools); figures are medians of interleaved repeats. Warm: the files are
 read once into the page cache, the loader (persistent workers) runs an untimed
-warm-up, then one whole epoch is timed. Cold: the files are evicted
+warm-up, then whole epochs are timed, for a second at least. Cold: the files are evicted
 (POSIX_FADV_DONTNEED, checked with mincore), then a fresh epoch is timed after its
 first batch (start-up is reported apart, as ``first batch s``). Opens and peak
 memory are measured from outside the child (:mod:`packio.bench.probe`): opens from

@@ -38,8 +38,12 @@ class Summary:
 
     def warnings(self) -> list[str]:
         """What asks for the user's attention: images the resize enlarged, an image folder
-        packed with no label at all (the summary prints these; ``--quiet`` too, on stderr)."""
-        return _warnings(self.manifest, self.info.get("notes") or {}, self.packed) if self.manifest else []
+        packed with no label at all, boxes left without a class (the summary prints these;
+        ``--quiet`` too, on stderr)."""
+        if self.manifest is None:
+            return []
+        boxes = [line for line in census.describe(self.manifest) if line.startswith("warning:")]
+        return boxes + _warnings(self.manifest, self.info.get("notes") or {}, self.packed)
 
     def text(self) -> str:
         skipped = sum(self.skipped.values())
@@ -59,7 +63,8 @@ class Summary:
         if self.info.get("duplicate_content"):
             lines.append(f"note: {self.info['duplicate_content']} samples are byte-identical to another (kept)")
         lines += [f"note: {n} x {what}" for what, n in sorted(self.info.get("notes", {}).items()) if what != ENLARGED]
-        return "\n".join(lines + self.warnings())
+        extra = _warnings(self.manifest, self.info.get("notes") or {}, self.packed) if self.manifest else []
+        return "\n".join(lines + extra)  # the census lines above hold its own warnings
 
 
 def _warnings(m: Manifest, notes: dict[str, Any], packed: int) -> list[str]:
