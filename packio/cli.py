@@ -227,8 +227,8 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
 
     d = diagnose(a.path, size=a.size, batch_size=a.batch_size, seconds=a.seconds, fraction=a.sample,
                  min_samples=a.min_samples, max_samples=a.max_samples, step_ms=a.step_ms,
-                 gpu_decode_ms=a.gpu_decode_ms, csv=a.csv, work=a.work, keep=a.keep, cgroup_root=a.cgroup_root,
-                 cpus=a.cpus, log=None if a.quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                 gpu_decode_ms=a.gpu_decode_ms, csv=a.csv, csv_columns=a.csv_columns, work=a.work, keep=a.keep,
+                 cgroup_root=a.cgroup_root, cpus=a.cpus, log=None if a.quiet else lambda m: print(m, file=sys.stderr, flush=True))
     print(doctor_report.text(d))
     if a.report:
         md, png = doctor_report.write(d, a.report)
@@ -287,6 +287,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--gpu-decode-ms", type=_float_in(*R["gpu_decode_ms"]),
                    help="without CUDA: a GPU decode time per batch you declare (labelled as declared)")
     d.add_argument("--csv", help="CSV of annotations, passed on to the packio convert line")
+    d.add_argument("--csv-columns", metavar="MAP", help="map fields to the CSV's columns, as packio convert takes "
+                                                        "it (class=cell_type), passed on to the convert line")
     d.add_argument("--report", metavar="DIR", help="write DIR/doctor.md and DIR/doctor.png")
     d.add_argument("--work", metavar="DIR", help="where to pack the samples (default: the system temp folder)")
     d.add_argument("--keep", action="store_true", help="keep the packed samples")

@@ -397,3 +397,27 @@ def test_figures_say_measured_or_estimated_and_nothing_to_change_stays_so():
     assert line.startswith("verdict: on this busy machine training would wait ~14 % of the time") and \
         "measure again on a quiet machine" in line, line
     assert not report.recommendation(busy)[0].startswith("recommendation: nothing to change")
+
+
+def test_convert_lines_carry_the_csv_column_map(tmp_path, monkeypatch):
+    """bccd's CSV names its class column ``cell_type``: the doctor's convert lines carry
+    ``--csv-columns`` as given (they gave ``--csv`` alone, and the line packed every box as
+    class -1)."""
+    from conftest import jpeg
+
+    from packio.doctor import candidates as cand
+    from packio.doctor.source import open_source
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(3):
+        (flat / f"b{i}.jpg").write_bytes(jpeg(40, 50, seed=i))
+    (tmp_path / "t.csv").write_text("filename,cell_type,xmin,xmax,ymin,ymax\n" + "".join(
+        f"b{i}.jpg,{'RBC' if i else 'WBC'},2,20,3,30\n" for i in range(3)))
+    src = open_source(flat, tmp_path / "t.csv", "class=cell_type")
+    lay = cand.layouts(64)[0]
+    line = cand.convert_line(src.path, "out.lmdb", lay, src.csv, src.csv_columns)
+    assert line.endswith(f"--csv {tmp_path / 't.csv'} --csv-columns class=cell_type"), line
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(shlex.split(line)[1:] + ["--quiet"]) == 0
+    assert packio.open_dataset(tmp_path / "out.lmdb").box_classes == ["RBC", "WBC"]

@@ -189,10 +189,10 @@ def output_name(source_name: str, layout: Layout) -> str:
     return f"{source_name}-{layout.tag}{layout.suffix}"
 
 
-def convert_line(src: Path, out: str, layout: Layout, csv: str | None) -> str:
+def convert_line(src: Path, out: str, layout: Layout, csv: str | None, csv_columns: str | None = None) -> str:
     parts = ["packio", "convert", str(src), out, *layout.flags]
     if csv:
-        parts += ["--csv", csv]
+        parts += ["--csv", csv] + (["--csv-columns", csv_columns] if csv_columns else [])
     return shlex.join(parts)
 
 

@@ -108,7 +108,7 @@ class _Run:
         samples when one batch alone would take most of that time (huge images), 0 when even
         a first and a timed batch of one sample do not fit: ``c`` is then estimated."""
         per, threads = (c.stages.total if c.stages is not None else 0.0), max(max(self.threads), 1)
-        if per <= 0 or self.batch_size * per / threads <= left:
+        if per <= 0 or self.batch_size * per / threads <= max(left, 1.0):
             return self.batch_size
         return 0 if 2 * per > left else max(1, int(left * threads / (2 * per)))
 
@@ -116,6 +116,7 @@ class _Run:
 def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds: float = 60.0,
              fraction: float = 0.02, min_samples: int = 256, max_samples: int = 1000,
              step_ms: float | None = None, gpu_decode_ms: float | None = None, csv: str | Path | None = None,
+             csv_columns: str | None = None,
              work: str | Path | None = None, keep: bool = False, cgroup_root: str | Path = CGROUP_ROOT,
              cpus: int | None = None, seed: int = 0, log: Callable[[str], None] | None = None) -> Diagnosis:
     """Measure the dataset at ``path`` (image folder or packed) and rank layouts.
@@ -131,6 +132,8 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     shortest trials would not fit, tuning is skipped (one setting per layout, said
     in the notes). Every layout is measured; the report says how long it took.
     ``gpu_decode_ms``: a declared nvjpeg time per batch, used only without CUDA.
+    ``csv_columns``: the CSV's column map (``class=cell_type``), for the listing and the
+    convert lines.
     """
     check_options(size=size, batch_size=batch_size, seconds=seconds, fraction=fraction, min_samples=min_samples,
                   max_samples=max_samples, step_ms=step_ms, gpu_decode_ms=gpu_decode_ms, cpus=cpus)
@@ -139,7 +142,7 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     b = budget(cgroup_root)
     ncpu = max(1, cpus or b.cpus)
     load_before = _load()
-    src = open_source(path, csv)
+    src = open_source(path, csv, csv_columns)
     if not src.count:
         raise PackioError(f"{path}: holds no samples; nothing to measure")
     n = _sample_size(src.count, fraction, min_samples, max_samples)
@@ -349,7 +352,7 @@ def _measure_layout(run: _Run, lay: cand.Layout, trial_s: float, now: Candidate,
     original bytes of a folder, the one-file-per-sample baseline ``now``)."""
     out_name = cand.output_name(run.src.name, lay)
     c = Candidate(title=lay.title, tag=lay.tag, keeps_crops=lay.keeps_crops,
-                  convert_line=cand.convert_line(run.src.path, out_name, lay, run.src.csv),
+                  convert_line=cand.convert_line(run.src.path, out_name, lay, run.src.csv, run.src.csv_columns),
                   reader_lines=cand.reader_lines(out_name, lay.reader_resize, run.batch_size, {}),
                   enlarged=cand.enlarged(lay, run.sizes))
     src_dir = run.packed.get(lay.pack_from or "", run.sample_dir)
@@ -391,7 +394,7 @@ def _pack_and_time(run: _Run, lay: cand.Layout, c: Candidate, src_dir: Path, tri
             else:
                 c.stages = measure_stages(lay.title, lambda i: reader.read(i).payload, list(range(min(8, packed))),
                                           run.size, run.batch_size, run.xfer,
-                                          deadline=time.perf_counter() + 0.1 * slot.timing)
+                                          deadline=time.perf_counter() + max(0.25, 0.05 * slot.left))
             if lay.tag == "orig":
                 run.jpegs[:] = [p for p in (bytes(reader.read(i).payload) for i in range(min(run.batch_size, packed)))
                                 if p[:3] == b"\xff\xd8\xff"]
