@@ -68,3 +68,27 @@ def test_tune_of_an_empty_dataset_is_a_clean_error(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith(f"packio: error: {path}") and "no samples" in err[0], err
     with pytest.raises(packio.PackioError, match="holds no samples; nothing to tune"):
         packio.tune(packio.open_dataset(path))
+
+
+def test_tune_stays_in_its_budget_when_one_sample_takes_long(gen_folder, tmp_path, monkeypatch, capsys):
+    """Issue 38: a sample that takes longer than half a trial (a huge image) cannot be timed
+    in ``seconds``: tune reads it once and says so, where every trial waited for a whole
+    first batch of such samples (``packio bench --tune`` ran far past trials × seconds)."""
+    from packio import decode as dec
+
+    src, csv = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
+    ds = packio.open_dataset(tmp_path / "d.lmdb", resize=32)
+    calls, real = [], dec.resize
+
+    def slow(*a, **kw):  # each sample's resize stands for a huge image's decode
+        calls.append(1)
+        import time
+
+        time.sleep(0.3)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dec, "resize", slow)
+    best = packio.tune(ds, batch_size=64, seconds=0.2)
+    assert len(calls) == 1 and best["num_workers"] == 0 and best["threads"] >= 1  # before: 4 trials x 14 samples
+    assert "no setting can be timed" in capsys.readouterr().out
