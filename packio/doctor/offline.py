@@ -130,7 +130,10 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     ``seconds`` bounds the run: the sample shrinks (to 2 batches at least) so that
     packing fits ~30 % of it; tuning trials share what is left; when even the
     shortest trials would not fit, tuning is skipped (one setting per layout, said
-    in the notes). Every layout is measured; the report says how long it took.
+    in the notes). Every layout is measured, within ``seconds`` and half as much again:
+    with huge images a layout may be timed on smaller batches, estimated from its stage
+    costs, packed from part of the sample, or left "not measured" (each said in the
+    report); the report says how long it took.
     ``gpu_decode_ms``: a declared nvjpeg time per batch, used only without CUDA.
     ``csv_columns``: the CSV's column map (``class=cell_type``), for the listing and the
     convert lines.
