@@ -228,7 +228,8 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
     d = diagnose(a.path, size=a.size, batch_size=a.batch_size, seconds=a.seconds, fraction=a.sample,
                  min_samples=a.min_samples, max_samples=a.max_samples, step_ms=a.step_ms,
                  gpu_decode_ms=a.gpu_decode_ms, csv=a.csv, csv_columns=a.csv_columns, work=a.work, keep=a.keep,
-                 cgroup_root=a.cgroup_root, cpus=a.cpus, log=None if a.quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                 cgroup_root=a.cgroup_root, cpus=a.cpus,
+                 log=None if a.quiet else lambda m: print(m, file=sys.stderr, flush=True))
     print(doctor_report.text(d))
     if a.report:
         md, png = doctor_report.write(d, a.report)

@@ -72,16 +72,18 @@ def _warnings(m: Manifest, notes: dict[str, Any], packed: int) -> list[str]:
     enlarged = notes.get(ENLARGED, 0)
     r = m.image.get("resize") if isinstance(m.image.get("resize"), dict) else {}
     if enlarged:
+        option = "--short-side" if r.get("short_side") else "--size" if r.get("size") else "size"
         asked = (f"--short-side {r['short_side']}" if r.get("short_side") else
                  f"--size {_dims(r['size'])}" if r.get("size") else "the resize")
         out.append(f"warning:  {enlarged} of {packed} images are smaller than {asked} asks and were enlarged: stored "
-                   f"with more pixels than they have (larger files, no detail gained); a smaller {asked.split()[0]} "
-                   "keeps them as they are")
+                   f"with more pixels than they have (larger files, no detail gained); a smaller {option} keeps them "
+                   "as they are")
     a = m.summary.get("annotations") if isinstance(m.summary.get("annotations"), dict) else {}
     from_folder = not m.source.get("csv") and not m.source.get("packed_format") and "foreign" not in m.source
     if from_folder and packed and not a.get("labels") and not a.get("boxes") and a.get("images_without_label"):
         out.append("hint:     no image has a label (a flat or single-folder source, and no --csv): label them "
-                   "with --csv FILE (columns filename,label), or sort them into one sub-folder per class")
+                   "with --csv FILE (columns filename,label; csv= in Python), or sort them into one sub-folder per "
+                   "class")
     return out
 
 
