@@ -94,6 +94,21 @@ def make_gen_folder(tmp_path: Path) -> tuple[Path, Path]:
 TRUTH: dict[str, dict[str, tuple[str, list[list[float]], list[str]]]] = {}
 
 
+def run_printed_lmdb_lines(info: str) -> list[tuple[bytes, int]]:
+    """Run each ``lmdb.open(...)`` line ``packio info`` printed as a user pastes it, in a fresh
+    Python: per environment, the value of key 0 and the number of entries."""
+    import re
+
+    code = ["import lmdb, sys", "out = []"]
+    for line in re.findall(r"lmdb\.open\(.*?\)", info):
+        code += [f"env = {line}", "txn = env.begin()",
+                 "out.append([bytes(txn.get(b'%010d' % 0)).hex(), txn.stat()['entries']])", "txn.abort()"]
+    code.append("print(repr(out))")
+    r = subprocess.run([sys.executable, "-c", "\n".join(code)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return [(bytes.fromhex(v), n) for v, n in eval(r.stdout)]
+
+
 def run_child_cases(code: str, args: list[str], timeout: float) -> tuple[dict[str, dict], str | None, str]:
     """Run ``python -c code *args``: a child that prints ``START name`` before each case
     and ``RESULT {json}`` after it. Returns the results by name, the case last started

@@ -125,7 +125,7 @@ def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
     c, _ = cluster
     src, csv = gen_folder
     r = subprocess.run([sys.executable, "-m", "packio", "convert", str(src), str(tmp_path / "o.wds"), "--csv",
-                        str(csv), "--scheduler", c.scheduler_address, "--parts", "3", "--quiet"],
+                        str(csv), "--scheduler", c.scheduler_address, "--parts", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "packed 14 samples" in r.stdout and len(list((tmp_path / "o.wds").glob("part-*.wds"))) == 3
@@ -143,3 +143,19 @@ def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
     r = packio.open_reader(tmp_path / "o.wds")
     assert sorted(key for _, key in got) == sorted(r.read(i).key for i in range(len(r)))
 
+
+
+def test_info_lmdb_lines_of_dask_parts_open_every_part(cluster, gen_folder, tmp_path, capsys):
+    """A Dask conversion keeps its data in part-0000N.lmdb/ only: the lines ``packio info``
+    prints open each part, holding every sample (the one line printed before failed: no
+    data.mdb in the top folder)."""
+    from conftest import run_printed_lmdb_lines
+
+    from packio.cli import main
+
+    _, client = cluster
+    src, _ = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", scheduler=client, parts=3, progress=False)
+    assert main(["info", str(tmp_path / "d.lmdb")]) == 0
+    envs = run_printed_lmdb_lines(capsys.readouterr().out)
+    assert len(envs) == 3 and sum(n for _, n in envs) == 14

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import os
 import shutil
 import threading
@@ -131,12 +132,13 @@ def served(hostile, gen_folder):
 
 
 def test_stalled_body_times_out_within_the_retry_budget(served, tmp_path):
+    """A body that stops mid-way: the read gives up at its timeout. 'timed out' is the proof,
+    not a clock: without the timeout the server's own end (30 s later, the body short) would
+    raise another error, after minutes of tries."""
     server, url = served
     server.mode = "stall"
-    t0 = time.monotonic()
     with pytest.raises(RemoteTimeoutError, match="timed out"):
         list(packio.open_dataset(url, iterable=True, cache_dir=tmp_path / "c", decode=False, **FAST))
-    assert time.monotonic() - t0 < 15
 
 
 def test_endless_manifest_is_cut_at_the_limit(served, tmp_path, monkeypatch):
@@ -234,7 +236,7 @@ def test_failed_overwrite_keeps_the_old_dataset(gen_folder, tmp_path, bucket, s3
     assert after == before
 
 
-def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_server):
+def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_server, caplog):
     from packio.remote.store import Store
     from packio.remote.upload import LOCK, _Lock
 
@@ -243,10 +245,10 @@ def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_s
     lock = _Lock(Store(url), LOCK)
     lock.acquire()  # another conversion is running
     try:
-        t0 = time.monotonic()
-        with pytest.raises(OutputBusyError, match="another conversion"):
-            packio.convert(src, url, csv=csv, progress=False)
-        assert time.monotonic() - t0 < 10
+        with caplog.at_level(logging.WARNING, logger="packio"):
+            with pytest.raises(OutputBusyError, match="another conversion"):
+                packio.convert(src, url, csv=csv, progress=False)
+        assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # refused at once, never waited
     finally:
         lock.release()
     packio.convert(src, url, csv=csv, progress=False)  # free again
@@ -455,7 +457,7 @@ def test_forbidden_is_an_access_error(served, tmp_path):
         packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
 
 
-def test_missing_bucket_says_create_it(gen_folder, tmp_path, s3_server):
+def test_missing_bucket_says_create_it(gen_folder, tmp_path, s3_server, caplog):
     """A bucket that does not exist (SeaweedFS): opening and converting to it say so
     (RemoteNotFoundError naming the bucket), not 'not a packed dataset', not busy, not credentials."""
     from packio.errors import RemoteNotFoundError
@@ -464,10 +466,10 @@ def test_missing_bucket_says_create_it(gen_folder, tmp_path, s3_server):
     url = "s3://no-such-bucket-29/ds.wds"
     with pytest.raises(RemoteNotFoundError, match=r"bucket s3://no-such-bucket-29 does not exist; create it"):
         packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
-    t0 = time.monotonic()
-    with pytest.raises(RemoteNotFoundError, match=r"bucket s3://no-such-bucket-29 does not exist; create it"):
-        packio.convert(src, url, csv=csv, progress=False, tmp_dir=tmp_path / "tmp")
-    assert time.monotonic() - t0 < 30
+    with caplog.at_level(logging.WARNING, logger="packio"):
+        with pytest.raises(RemoteNotFoundError, match=r"bucket s3://no-such-bucket-29 does not exist; create it"):
+            packio.convert(src, url, csv=csv, progress=False, tmp_dir=tmp_path / "tmp")
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # a missing bucket is not retried
     assert "no-such-bucket-29" not in {b["Name"] for b in s3_server.client().list_buckets()["Buckets"]}
 
 

@@ -20,6 +20,7 @@ from packio.errors import FormatError
 from packio.formats.base import (FormatSpec, Reader, RecordFile, StoredBatch, WriteOptions, Writer,
                                  decode_stored, fixed_image_shape, inside)
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
+from packio.formats.parts import part_paths, samples_text
 from packio.formats.spill import SpilledColumn, npy_header
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -139,11 +140,17 @@ class ArrayReader(Reader):
 
     @classmethod
     def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        if "parts" in manifest.extra:
-            return []
-        n, shape = manifest.count, manifest.image.get("shape") or ["H", "W", 3]
-        return [f"arrays:   {path / 'images.npy'} uint8[{n}, {', '.join(map(str, shape))}], labels.npy int64[{n}]"
-                f" (numpy.load(..., mmap_mode='r'))"]
+        shape = ", ".join(map(str, manifest.image.get("shape") or ["H", "W", 3]))
+        if "parts" not in manifest.extra:
+            n = manifest.count
+            return [f"arrays:   {path / 'images.npy'} uint8[{n}, {shape}], labels.npy int64[{n}]"
+                    f" (numpy.load(..., mmap_mode='r'))"]
+        parts = part_paths(path, manifest)
+        return [f"arrays:   {len(parts)} parts, each with images.npy uint8[N, {shape}] and labels.npy int64[N] "
+                "(numpy.load(..., mmap_mode='r')):",
+                *[f"          {folder / 'images.npy'}  # {samples_text(a, n)}" for folder, a, n in parts[:20]],
+                *([f"          ... {len(parts) - 20} more: 'packio info --json' lists every part"] if len(parts) > 20
+                  else [])]
 
     def _open(self) -> None:
         n, shape = self.manifest.count, fixed_image_shape(self.manifest, self.path)

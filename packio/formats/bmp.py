@@ -14,6 +14,7 @@ from packio import limits
 from packio.errors import CorruptSampleError
 from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, contained, decode_stored,
                                  payload_bytes)
+from packio.formats.parts import part_paths, samples_text
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -52,9 +53,14 @@ class BMPReader(Reader):
 
     @classmethod
     def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        if "parts" in manifest.extra:
-            return []
-        return [f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)"]
+        if "parts" not in manifest.extra:
+            return [f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)"]
+        parts = part_paths(path, manifest)
+        return [f"bmp:      {len(parts)} parts, one BMP file per sample, numbered from 0 in each part:",
+                *[f"          {folder / 'images'}/000000/0000000000.bmp ...  # {samples_text(a, n)}"
+                  for folder, a, n in parts[:20]],
+                *([f"          ... {len(parts) - 20} more: 'packio info --json' lists every part"] if len(parts) > 20
+                  else [])]
 
     def _open(self) -> None:
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)

@@ -25,6 +25,7 @@ from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, StoredBatch, WriteOptions, Writer, decode_stored,
                                  file_starts_with, fixed_image_shape, pack_record, payload_bytes, unpack_record)
 from packio.formats.columns import ColumnBuffer, Columns
+from packio.formats.parts import part_paths, samples_text
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -229,8 +230,15 @@ class HDF5Reader(Reader):
 
     @classmethod
     def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        what = "images uint8[N, H, W, 3]" if manifest.extra.get("fixed_shape") else "images_bytes + offsets"
-        return [f"hdf5:     h5py.File('{path}'): {what}, labels, boxes + box_offsets"]
+        raw = manifest.extra.get("fixed_shape") or manifest.image.get("payload") == "raw"
+        what = f"{'images uint8[N, H, W, 3]' if raw else 'images_bytes + offsets'}, labels, boxes + box_offsets"
+        if "parts" not in manifest.extra:
+            return [f"hdf5:     h5py.File({str(path)!r}): {what}"]
+        parts = part_paths(path, manifest)
+        return [f"hdf5:     {len(parts)} parts, one HDF5 file each ({what}; N counts the part's samples):",
+                *[f"          h5py.File({str(f)!r})  # {samples_text(a, n)}" for f, a, n in parts[:20]],
+                *([f"          ... {len(parts) - 20} more: 'packio info --json' lists every part"] if len(parts) > 20
+                  else [])]
 
     @classmethod
     def open_unlisted(cls, path: str) -> "HDF5Reader":

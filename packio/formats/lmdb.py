@@ -18,6 +18,7 @@ from packio import limits
 from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, pack_record,
                                  payload_bytes, unpack_record)
+from packio.formats.parts import part_paths, samples_text
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -203,8 +204,15 @@ class LMDBReader(Reader):
 
     @classmethod
     def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        return [f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
-                f"u32le length | msgpack record | image bytes"]
+        value = "u32le length | msgpack record | image bytes"
+        parts = part_paths(path, manifest)
+        if "parts" not in manifest.extra:
+            return [f"lmdb:     lmdb.open({str(path)!r}, readonly=True, lock=False): key %010d → {value}"]
+        lines = [f"lmdb:     {len(parts)} parts, one LMDB environment each; in each, key %010d from 0 → {value}:"]
+        lines += [f"          lmdb.open({str(folder)!r}, readonly=True, lock=False)  # {samples_text(a, n)}"
+                  for folder, a, n in parts[:20]]
+        return lines + ([f"          ... {len(parts) - 20} more, the same way: see 'packio info --json' for every "
+                         "part"] if len(parts) > 20 else [])
 
     def _open(self) -> None:
         data = inside(self.path, "data.mdb")

@@ -17,7 +17,7 @@ from packio.formats.base import FormatSpec, Reader, inside
 from packio.manifest import MANIFEST_NAME, Manifest
 from packio.sample import Sample
 
-__all__ = ["MultiPartReader"]
+__all__ = ["MultiPartReader", "part_paths", "samples_text"]
 
 
 class MultiPartReader(Reader):
@@ -103,3 +103,27 @@ class MultiPartReader(Reader):
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _pid=None)
+
+
+def part_paths(path: Path, manifest: Manifest) -> list[tuple[Path, int, int]]:
+    """(folder, first sample, samples) of each part the manifest lists, in order, for the
+    lines that tell how to open them with other tools; ``[(path, 0, count)]`` for a dataset
+    of one part. Entries a reader would refuse (a path leading out, a count that is not
+    one) are left out: these lines name files, they never open them."""
+    parts = manifest.extra.get("parts")
+    if not isinstance(parts, list):
+        return [(path, 0, manifest.count)]
+    out, start = [], 0
+    for p in parts:
+        rel, n = (p.get("path"), p.get("count")) if isinstance(p, dict) else (None, None)
+        if not isinstance(rel, str) or rel.startswith("/") or ".." in Path(rel).parts \
+                or not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return out
+        out.append((path / rel, start, n))
+        start += n
+    return out
+
+
+def samples_text(first: int, n: int) -> str:
+    """``samples 0 to 243`` of a part (``no samples`` when it is empty)."""
+    return f"samples {first:,} to {first + n - 1:,}" if n else "no samples"

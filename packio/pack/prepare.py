@@ -20,9 +20,10 @@ from packio.formats.base import Reader
 from packio.sample import Sample, checksum, text_key, unstorable
 from packio.sources import SourceItem, boxes_to_stored_frame, read_image_file
 
-__all__ = ["Prep", "Packed", "Skipped", "Result", "REORIENTED", "prepare_file", "prepare_packed"]
+__all__ = ["Prep", "Packed", "Skipped", "Result", "REORIENTED", "ENLARGED", "enlarges", "prepare_file", "prepare_packed"]
 
 REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
+ENLARGED = "image smaller than the resize asks, enlarged (stored with more pixels than it has)"
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def _finish(prep: Prep, s: Sample, where: str, orientation: int | None = None) -
         if orientation != 1:
             boxes = geo.orient(boxes, orientation, img.shape[1], img.shape[0])
             img = np.ascontiguousarray(geo.orient_image(img, orientation))
+        enlarged = prep.resize.active and enlarges(prep.resize, *img.shape[:2])
         if prep.resize.active:
             img, boxes, box_labels = dec.apply_spec(img, boxes, box_labels, prep.resize)
         if prep.shape is not None and img.shape[:2] != prep.shape:
@@ -127,7 +129,14 @@ def _finish(prep: Prep, s: Sample, where: str, orientation: int | None = None) -
     out = Sample(key=s.key, payload=payload, encoding=to, label=s.label, boxes=boxes,
                  box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=meta)
     out.checksum = checksum(out.payload)
-    return _storable(Packed(out, found, False, where, (REORIENTED,) if orientation != 1 else ()))
+    notes = ((REORIENTED,) if orientation != 1 else ()) + ((ENLARGED,) if enlarged else ())
+    return _storable(Packed(out, found, False, where, notes))
+
+
+def enlarges(spec: dec.ResizeSpec, h: int, w: int) -> bool:
+    """Whether ``spec`` scales an ``h``×``w`` image up (before any crop): more pixels, no detail."""
+    th, tw = spec.target(h, w)
+    return th * tw > h * w
 
 
 def _storable(p: Packed) -> Result:
