@@ -408,3 +408,20 @@ def test_a_rewrite_of_the_index_keeps_the_downloads_in_flight(tmp_path):
     assert index.total == held and rel not in index.entries
     assert not list(vdir.glob(".*.part-*"))
 
+
+def test_map_style_reads_do_not_hold_the_cache_over_its_limit(noise_sets, tmp_path):
+    """A map-style reader kept up to 64 cached shards pinned (and open) between batches:
+    with a cache limit, nothing it had touched could be evicted while it lived, and a
+    stream in the same cache went over the limit by all of them. Under a limit it now
+    unpins them after each batch."""
+    a, b, shard = noise_sets
+    cache, limit = tmp_path / "cache", 8 * shard
+    assert len(list(packio.open_dataset(a, iterable=True, cache_dir=cache, cache_limit=limit, **FAST))) == 96
+    mapped = packio.open_dataset(a, cache_dir=cache, cache_limit=limit, **FAST)
+    assert len(mapped.reader.read_many(list(range(0, 96, 4)))) == 24  # one sample of each shard: 7 are cached
+    stream = packio.open_dataset(b, iterable=True, cache_dir=cache, cache_limit=limit, **FAST)
+    stream.reader.prefetch = 4  # 5 shards in use at once: they fit the limit, not with the 7 mapped ones
+    with _Peak(cache) as peak:
+        assert len(list(stream)) == 96
+    assert peak.peak <= limit + shard, f"{(peak.peak - limit) / shard:.1f} shards over"
+    assert len(mapped.reader.read_many(list(range(96)))) == 96
