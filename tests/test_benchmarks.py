@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCH))
 
 SCRIPTS = {"loader.py": ["w1", "w1cpu", "w2", "w2cpu", "levers", "memory"], "convert.py": ["workers", "check", "dask"],
            "remote.py": [None], "gpu_run.py": [None], "peers_dali.py": [None], "ab.py": [None],
-           "read_cpu.py": [None]}
+           "read_cpu.py": [None], "cache_peak.py": [None]}
 PEERS = ROOT.parent / "shared" / "peers" / "bench.py"
 
 

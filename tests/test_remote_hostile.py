@@ -254,6 +254,99 @@ def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_s
     packio.convert(src, url, csv=csv, progress=False)  # free again
 
 
+_KILLED_MID_UPLOAD = r"""
+import sys
+import threading
+from packio.cli import main
+from packio.remote import store
+
+real = store.Store.put
+
+
+def put(self, local, rel):  # a shard goes up, then this conversion waits to be killed
+    real(self, local, rel)
+    if "/shard-" in rel:
+        print("uploading", flush=True)
+        threading.Event().wait(120)
+
+
+store.Store.put = put
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_conversion_killed_mid_upload_runs_again_at_once(gen_folder, tmp_path, bucket, s3_server):
+    """Issue 38: 'packio convert SRC s3://...' SIGKILLed mid-upload left its lock, and the
+    re-run was refused for 300 s by the lock of a process dead on this same machine. The
+    lock names its holder (host, pid, start time): the re-run, at once, takes it over with
+    one log line naming the dead pid and uploads the dataset; nothing of the killed run
+    stays."""
+    import subprocess
+    import sys
+
+    from packio.remote.store import Store
+
+    src, csv = gen_folder
+    url = f"s3://{bucket}/killed.wds"
+    args = ["convert", str(src), url, "--csv", str(csv), "--shard-samples", "2", "--quiet"]
+    kid = subprocess.Popen([sys.executable, "-c", _KILLED_MID_UPLOAD, *args], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert kid.stdout.readline().strip() == "uploading", kid.stderr.read()[-2000:] if kid.poll() else ""
+    finally:
+        kid.kill()
+        kid.communicate(timeout=30)
+    store = Store(url)
+    assert store.exists(".packio-lock") and not store.exists("packio.json")  # killed mid-upload
+    again = subprocess.run([sys.executable, "-m", "packio", *args], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    takeover = [line for line in again.stderr.splitlines() if "taking over the lock" in line]
+    assert len(takeover) == 1 and f"pid {kid.pid} on this host" in takeover[0], again.stderr[-2000:]
+    reader = packio.open_reader(url, cache_dir=tmp_path / "c")
+    assert len(reader.read_many(list(range(len(reader))))) == len(reader) == 14
+    left = store.listing("")
+    assert "packio.json" in left and ".packio-lock" not in left
+    assert len({rel.split("/")[0] for rel in left if rel != "packio.json"}) == 1, left  # one upload's objects
+
+
+def test_a_remote_lock_names_its_holder_and_keeps_a_live_lease(bucket, s3_server, caplog):
+    """A lock another host wrote just now keeps its lease even when that host's clock is an
+    hour behind (its own expiry long past): the lease is judged by the store's clock. The
+    refusal names the holder. A lock naming this host and the pid of a live process with
+    another start time (the pid was reused) is taken over at once, with one log line. A
+    conversion whose lock was taken meanwhile is told so before its switch, and leaves the
+    other's lock alone."""
+    from packio.remote.store import Store
+    from packio.remote.upload import LOCK, _Lock
+
+    store = Store(f"s3://{bucket}/held.wds")
+    store.put_bytes(json.dumps({"owner": "x", "host": "elsewhere", "machine": "elsewhere|boot|pid:[1]",
+                                "pid": 4242, "start": "99", "since": "yesterday",
+                                "expires": time.time() - 3000}).encode(), LOCK)
+    with pytest.raises(OutputBusyError, match="pid 4242 on host elsewhere, since yesterday"):
+        _Lock(store, LOCK).acquire()
+    mine = _Lock(store, f"{LOCK}-mine")
+    mine.acquire()
+    body = json.loads(store.read(f"{LOCK}-mine", 1 << 16))  # what this process's lock says of it
+    mine.release()
+    store.put_bytes(json.dumps({**body, "owner": "y", "start": "1"}).encode(), LOCK)  # its pid, another process
+    lock = _Lock(store, LOCK)
+    with caplog.at_level("WARNING", logger="packio"):
+        lock.acquire()
+    lock.release()
+    said = [r.getMessage() for r in caplog.records if "taking over" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"packio: {store.url_of(LOCK)}: taking over the lock of a "
+                                                 f"conversion that is gone (pid {os.getpid()} on this host"), said
+    assert not store.exists(LOCK)
+    lock = _Lock(store, LOCK)
+    lock.acquire()
+    store.put_bytes(json.dumps({**body, "owner": "z"}).encode(), LOCK)  # taken meanwhile (a lease ran out)
+    with pytest.raises(OutputBusyError, match="took this one's lock"):
+        lock.check()  # what the upload asks before it switches the dataset
+    lock.release()
+    assert json.loads(store.read(LOCK, 1 << 16))["owner"] == "z"  # another's lock is never deleted
+
+
 def test_killed_upload_staging_is_cleaned(gen_folder, tmp_path, bucket, s3_server):
     import subprocess
     import sys

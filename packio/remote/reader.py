@@ -485,6 +485,16 @@ class RemoteTarReader(TarReader):
             raise
         finally:
             self._h_ranges.clear()
+            if self._h_plan is None and self.cache.limit is not None:
+                self._unpin_all()
+
+    def _unpin_all(self) -> None:
+        """Map-style reads under a cache limit: the cached shards a batch used are unpinned
+        after it (held until the next batch, up to ``max_open`` of them would keep the
+        cache from evicting anything while this process lives)."""
+        with self._h_lock:
+            for shard in list(self._h_pins):
+                self._release(shard)
 
     def read(self, i: int) -> Sample:
         i = self.check_index(i)
