@@ -124,9 +124,9 @@ def _manifest_and_bytes(path: str) -> tuple[Any, int]:
         return m, sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict))
     reader = open_reader(path)
     if is_url(path):  # foreign shards at a URL: the sizes the server gave
-        return reader.manifest, sum(size for size, _ in reader.files.values())
+        return reader.manifest, sum(size for size, _ in reader.source.files.values())
     if reader.manifest.source.get("foreign"):  # a pattern or a folder of shards: only the shards count
-        return reader.manifest, sum(s.stat().st_size for s in reader.shards)
+        return reader.manifest, sum(s.stat().st_size for s in reader.source.paths)
     return reader.manifest, disk_bytes(Path(path))
 
 
@@ -167,7 +167,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         say(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
     elif not _boxes_counted(m):  # a dataset without boxes (said once: the census line gives boxes without classes)
         say("boxes:    none")
-    for line in describe_output(p, m):  # a URL: Path() merged its '//'
+    for line in describe_output(str(p), m):  # a URL: Path() merged its '//'
         say(line.replace(str(p.parent), a.path.rsplit("/", 1)[0]) if is_url(a.path) else line)
     shape = m.image.get("shape")
     say(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")

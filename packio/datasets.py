@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio.collation import Batch
 from packio.errors import FormatError, PackioError, StateError, redact
-from packio.formats.base import Reader
+from packio.formats.reader import Reader
 from packio.items import Item, Items
 from packio.options import DecodeOptions, merge_options
 from packio.order import (Split, check_epoch, check_even, check_int, dist_info, dist_world, epoch_order,
@@ -351,8 +351,7 @@ class PackedIterableDataset(_Resumable, IterableDataset):
             p = self._worker_pass(info.id, info.num_workers, chunk)
             seq = worker_slice(p.split.sequence(), info.id, info.num_workers, chunk)
         self._pass = p
-        if hasattr(self.reader, "plan"):  # remote shards: fetched whole, in this order, prefetched
-            self.reader.plan(seq[p.taken:])
+        self.reader.plan(seq[p.taken:])  # a streaming reader (remote shards) fetches them in this order
         return self._stream(seq, p)
 
     def _worker_pass(self, worker: int, workers: int, chunk: int) -> _Pass:

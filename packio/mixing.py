@@ -104,8 +104,7 @@ class _Sources:
         """Tell each streaming (remote) reader the part of ``ids`` it will read, in order."""
         src = self.which(np.asarray(ids, np.int64))
         for s, items in enumerate(self.items):
-            if hasattr(items.reader, "plan"):
-                items.reader.plan(ids[src == s] - self.offsets[s])
+            items.reader.plan(ids[src == s] - self.offsets[s])
 
     def one(self, gid: int) -> dict[str, Any] | None:
         """Global sample ``gid`` as one sample of a :class:`MixedBatch` holding it."""

@@ -68,7 +68,7 @@ def verify(path: str | Path, **remote: Any) -> Any:
         if "\n" not in str(exc) and not str(exc).count("checksum"):
             raise  # not a dataset, unreachable, ...: nothing to report on
         return VerifyReport(path=shown, bad_files=str(exc).splitlines())
-    damaged = reader.fetch_all() if hasattr(reader, "fetch_all") else {}
+    damaged = reader.fetch_all()
     report = verify_local(reader, damaged)
     report.path = shown
     return report

@@ -97,7 +97,7 @@ def test_tar_over_http_range_reads(gen_folder, tmp_path, http_server):
     stream = packio.open_dataset(url, iterable=True, shuffle=True, seed=3, cache_dir=tmp_path / "cache",
                                  decode=False)
     keys = [x["key"] for x in stream]
-    assert sorted(keys) == sorted(s.key for s in local.reader.read_many(list(range(14))))
+    assert sorted(keys) == sorted(s.key for s in local.reader.read_batch(range(14)).samples)
     cached = sorted(p.name for p in (tmp_path / "cache").rglob("shard-*.tar"))
     assert cached == [f"shard-00000{i}.tar" for i in range(4)]
 
@@ -152,10 +152,10 @@ def test_two_ranks_split_the_epoch_like_local_data(tar_pair):
 def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
     url, local, cache = tar_pair
     stream = packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False)
-    stream.reader.prefetch = 1
+    stream.reader.source.prefetch = 1
     it = iter(packio.DataLoader(stream, batch_size=3))
     next(it)  # shard 0 read; at most shard 1 prefetched
-    sub = stream.reader.store.url.rsplit("/", 1)[1]  # the upload's folder, v-VERSION
+    sub = stream.reader.files_at.rsplit("/", 1)[1]  # the upload's folder, v-VERSION
     s3_server.client().delete_object(Bucket=bucket, Key=f"sets/ds.wds/{sub}/shard-000004.tar")
     with pytest.raises(RemoteError, match=rf"s3://{bucket}/sets/ds.wds/{sub}/shard-000004.tar: not found"):
         for _ in it:
@@ -165,7 +165,7 @@ def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
 def test_corrupted_object_is_a_checksum_error(tar_pair, bucket, s3_server):
     url, local, cache = tar_pair
     client = s3_server.client()
-    sub = packio.open_dataset(url, cache_dir=cache).reader.store.url.rsplit("/", 1)[1]
+    sub = packio.open_dataset(url, cache_dir=cache).reader.files_at.rsplit("/", 1)[1]
     key = f"sets/ds.wds/{sub}/shard-000002.tar"
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
@@ -185,11 +185,11 @@ def test_cache_eviction_under_a_small_limit(tar_pair):
     limit = int(max(sizes) * 3.5)  # room for 3 shards and the index, not for all 5 shards
     # a reader in this process is in the middle of shard 0: it must survive every eviction
     holder = packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False)
-    holder.reader.prefetch = 0
+    holder.reader.source.prefetch = 0
     held = iter(packio.DataLoader(holder, batch_size=2))
     keys_held = list(next(held)["key"])
     stream = packio.open_dataset(url, iterable=True, cache_dir=cache, cache_limit=limit, decode=False)
-    stream.reader.prefetch = 1
+    stream.reader.source.prefetch = 1
     usage, keys = [], []
     for batch in packio.DataLoader(stream, batch_size=3):
         keys += batch["key"]
@@ -214,13 +214,14 @@ deadline = time.monotonic() + 60
 while not go.exists() and time.monotonic() < deadline:
     time.sleep(0.01)
 r.plan(np.arange(len(r)))
-print(json.dumps({s.key: checksum(s.payload) for s in r.read_many(list(range(len(r))))}))
+print(json.dumps({s.key: checksum(s.payload) for s in r.read_batch(range(len(r))).samples}))
 """
 
 
 def test_two_processes_share_one_cache(tar_pair, bucket, s3_server, tmp_path):
     url, local, cache = tar_pair
-    want = {s.key: s.checksum for s in packio.open_dataset(local, decode=False).reader.read_many(list(range(14)))}
+    stored = packio.open_dataset(local, decode=False).reader.read_batch(range(14)).samples
+    want = {s.key: s.checksum for s in stored}
     before = s3_server.gets(bucket)
     go = tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, url, str(cache), str(go)], stdout=subprocess.PIPE,
@@ -271,7 +272,7 @@ def test_server_restart_mid_epoch_retries_then_continues(tar_pair, s3_server):
     url, local, cache = tar_pair
     want = payloads(packio.open_dataset(local, decode=False).reader)
     stream = packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False)
-    stream.reader.prefetch = 0
+    stream.reader.source.prefetch = 0
     it = iter(packio.DataLoader(stream, batch_size=3))
     first = next(it)
     got = [(k, bytes(v)) for k, v in zip(first["key"], first["image"])]
@@ -309,6 +310,6 @@ def test_cli_convert_info_verify_a_url(gen_folder, tmp_path, bucket, s3_server, 
     assert main(["convert", str(src), url, "--quiet", "--overwrite"]) == 0  # one shard now
     assert len(packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.manifest.extra["shards"]) == 1
     names = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
-    sub = packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.store.url.rsplit("/", 1)[1]
+    sub = packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.files_at.rsplit("/", 1)[1]
     assert sorted(names) == sorted(["cli.wds/packio.json"] + [f"cli.wds/{sub}/{n}" for n in (
         "index.npy", "packio.json", "shard-000000.tar")])  # the old upload's objects are gone

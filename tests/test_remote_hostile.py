@@ -226,11 +226,11 @@ def test_failed_overwrite_keeps_the_old_dataset(gen_folder, tmp_path, bucket, s3
     src, csv = gen_folder
     url = f"s3://{bucket}/keep.wds"
     packio.convert(src, url, csv=csv, shard_samples=3, progress=False)
-    before = sorted(s.key for s in packio.open_reader(url, cache_dir=tmp_path / "c").read_many(list(range(14))))
+    before = sorted(packio.open_reader(url, cache_dir=tmp_path / "c").key(i) for i in range(14))
     (src / "cats" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     with pytest.raises(SourceError):
         packio.convert(src, url, csv=csv, shard_samples=2, strict=True, overwrite=True, progress=False)
-    after = sorted(s.key for s in packio.open_reader(url, cache_dir=tmp_path / "c2").read_many(list(range(14))))
+    after = sorted(packio.open_reader(url, cache_dir=tmp_path / "c2").key(i) for i in range(14))
     assert after == before
 
 

@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 
 from packio.errors import FormatError, redact
-from packio.formats.base import FormatSpec, Reader
+from packio.formats.base import FormatSpec
+from packio.formats.reader import Reader
 from packio.manifest import MANIFEST_NAME
 
 __all__ = ["FormatSpec", "Reader", "format_for_path", "formats", "get_format", "is_packed", "open_reader",

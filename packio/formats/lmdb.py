@@ -16,8 +16,8 @@ import numpy as np
 
 from packio import limits
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, pack_record,
-                                 payload_bytes, unpack_record)
+from packio.formats.base import FormatSpec, WriteOptions, Writer, decode_stored, pack_record, payload_bytes, unpack_record
+from packio.formats.reader import Reader, inside
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -202,8 +202,8 @@ class LMDBReader(Reader):
     MIN_SAMPLE_BYTES = 16  # a 10-byte key and an 8-byte node header at the least
 
     @classmethod
-    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        return [f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
+    def describe(cls, where: str, manifest: Manifest) -> list[str]:
+        return [f"lmdb:     lmdb.open('{where}', readonly=True, lock=False): key %010d → "
                 f"u32le length | msgpack record | image bytes"]
 
     def _open(self) -> None:
@@ -290,21 +290,17 @@ class LMDBReader(Reader):
             raise CorruptSampleError(f"#{i}", "record length runs past the value")
         return value, n
 
-    def read(self, i: int) -> Sample:
-        i = self.check_index(i)
-        self._ensure_open()
+    def _load(self, i: int) -> Sample:
         value, n = self._split(i)
         rec = unpack_record(value[4:4 + n], f"#{i}")
         return decode_stored(rec, bytes(value[4 + n:]), f"#{i}")
 
-    def key(self, i: int) -> str:
+    def _load_key(self, i: int) -> str:
         """The record's key alone: the payload behind it is neither copied nor decoded
         (an append checks every stored key)."""
-        i = self.check_index(i)
-        self._ensure_open()
         value, n = self._split(i)
         rec = unpack_record(value[4:4 + n], f"#{i}")
-        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self.read(i).key
+        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self._load(i).key
 
 
 FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader,

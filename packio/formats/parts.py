@@ -12,7 +12,8 @@ import numpy as np
 
 from packio import limits
 from packio.errors import FormatError
-from packio.formats.base import FormatSpec, Reader, inside
+from packio.formats.base import FormatSpec
+from packio.formats.reader import Reader, inside
 from packio.manifest import MANIFEST_NAME, Manifest
 from packio.sample import Sample
 
@@ -76,15 +77,14 @@ class MultiPartReader(Reader):
             r.close()
 
     def _locate(self, i: int) -> tuple[Reader, int]:
-        i = self.check_index(i)
         k = bisect.bisect_right(self.starts, i) - 1
         return self.parts[k], i - self.starts[k]
 
-    def read(self, i: int) -> Sample:
+    def _load(self, i: int) -> Sample:
         reader, j = self._locate(i)
         return reader.read(j)
 
-    def key(self, i: int) -> str:
+    def _load_key(self, i: int) -> str:
         reader, j = self._locate(i)
         return reader.key(j)
 

@@ -26,7 +26,7 @@ from packio import census
 from packio.decode import ResizeSpec
 from packio.errors import FormatError, PackioError
 from packio.formats import get_format, open_reader
-from packio.formats.base import Reader
+from packio.formats.reader import Reader
 from packio.manifest import DIGEST, MANIFEST_NAME, Manifest, describe_files, file_digest
 from packio.options import PackOptions
 from packio.pack.commit import TMP_MARK, fsync_tree, remove, stale, temp_name

@@ -17,7 +17,8 @@ from typing import Any, Callable
 from packio import census, limits
 from packio.errors import FormatError, PackioError, SourceError
 from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
-from packio.formats.base import FormatSpec, Reader, WriteOptions
+from packio.formats.base import FormatSpec, WriteOptions
+from packio.formats.reader import Reader
 from packio.manifest import Manifest
 from packio.options import PackOptions
 from packio.pack.commit import check_output
