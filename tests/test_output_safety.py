@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import packio
-from conftest import jpeg
+from conftest import jpeg, relabelled
 from packio.errors import DatasetReplacedError, OutputBusyError, OutputExistsError, PackioError
 from packio.formats import formats
 from packio.sample import checksum
@@ -262,14 +262,6 @@ def test_readers_notice_a_replaced_dataset(real_folder, other_folder, tmp_path, 
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
-def _labelled(root: Path, n: int, shift: int) -> Path:
-    """A CSV labelling the flat folder ``root``'s ``n`` images ``c0``..``c3``; another
-    ``shift``: the same images under other labels (the same member sizes once packed)."""
-    csv = root.parent / f"labels{shift}.csv"
-    csv.write_text("filename,label\n" + "".join(f"img{k:03d}.jpg,c{(k + shift) % 4}\n" for k in range(n)))
-    return csv
-
-
 def _open_then_wait(ready: Any, go: Any, worker: int) -> None:
     """worker_init_fn: open the reader in this worker (sample 0: shard 0), then wait."""
     torch.utils.data.get_worker_info().dataset.reader.read(0)
@@ -283,11 +275,8 @@ def test_wds_repacked_under_two_workers_hands_out_no_new_sample(tmp_path):
     the shards it opens afterwards are the new one's: the batches handed out are the old
     version's, then DatasetReplacedError; never a record of the new version."""
     n, src = 32, tmp_path / "images"
-    src.mkdir()
-    for k in range(n):
-        (src / f"img{k:03d}.jpg").write_bytes(jpeg(20, 24, seed=k))
     dst = tmp_path / "ds.wds"
-    packio.convert(src, dst, csv=_labelled(src, n, 0), shard_samples=8, progress=False, workers=0)
+    packio.convert(src, dst, csv=relabelled(src, n, 0), shard_samples=8, progress=False, workers=0)
     old = packio.open_reader(dst)
     truth = [(s.key, s.label, s.checksum) for s in map(old.read, range(n))]
     fork = torch.multiprocessing.get_context("fork")
@@ -308,7 +297,7 @@ def test_wds_repacked_under_two_workers_hands_out_no_new_sample(tmp_path):
     taker = threading.Thread(target=take)
     taker.start()
     assert ready.acquire(timeout=60) and ready.acquire(timeout=60)  # both workers hold the old version
-    packio.convert(src, dst, csv=_labelled(src, n, 1), shard_samples=8, overwrite=True, progress=False, workers=0)
+    packio.convert(src, dst, csv=relabelled(src, n, 1), shard_samples=8, overwrite=True, progress=False, workers=0)
     go.set()
     taker.join(120)
     assert got and isinstance(got[-1], DatasetReplacedError), got[-1:]

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import sealed
+from conftest import relabelled, sealed
 
 import packio
 from packio import decode as dec
-from packio.errors import FormatError, OutputExistsError, RemoteError, SourceError
+from packio.errors import DatasetReplacedError, FormatError, OutputExistsError, RemoteError, SourceError
 from packio.formats import formats
 
 pytest.importorskip("fsspec", reason="remote tests need packio[remote]")
@@ -100,6 +100,29 @@ def test_tar_over_http_range_reads(gen_folder, tmp_path, http_server):
     assert sorted(keys) == sorted(s.key for s in local.reader.read_batch(range(14)).samples)
     cached = sorted(p.name for p in (tmp_path / "cache").rglob("shard-*.tar"))
     assert cached == [f"shard-00000{i}.tar" for i in range(4)]
+
+
+def test_map_style_reads_after_an_in_place_reupload_raise(tmp_path, http_server):
+    """Issue 38: a .wds served as a folder over HTTP, re-uploaded in place with identical
+    sizes (the same images under other labels: each new record's checksum matches its new
+    image). The reader opened before checks each record read by range against the digest
+    its index holds: DatasetReplacedError, and no sample of the new upload under the old
+    class names."""
+    src, dst, n = tmp_path / "images", http_server.root / "f.wds", 15
+    packio.convert(src, dst, csv=relabelled(src, n, 0), shard_samples=4, progress=False, workers=0)
+    sizes = {p.name: p.stat().st_size for p in dst.iterdir()}
+    truth = [(s.key, s.label, s.checksum) for s in map(packio.open_reader(dst).read, range(n))]
+    reader = packio.open_reader(f"{http_server.url}/f.wds", cache_dir=tmp_path / "cache")
+    assert reader.read(0).key == truth[0][0]
+    packio.convert(src, dst, csv=relabelled(src, n, 1), shard_samples=4, overwrite=True, progress=False, workers=0)
+    assert {p.name: p.stat().st_size for p in dst.iterdir()} == sizes  # the same bytes but the records'
+    got = []
+    with pytest.raises(DatasetReplacedError, match="replaced"):
+        for s in map(reader.read, range(n)):
+            got.append((s.key, s.label, s.checksum))
+    assert got == truth[:len(got)]
+    with pytest.raises(DatasetReplacedError):  # and every later read: nothing is read sample by sample
+        reader.read_batch(range(n))
 
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
