@@ -125,6 +125,34 @@ def test_map_style_reads_after_an_in_place_reupload_raise(tmp_path, http_server)
         reader.read_batch(range(n))
 
 
+def test_info_prints_shard_addresses_webdataset_opens(gen_folder, tmp_path, http_server, bucket, s3_server, capsys):
+    """Issue 41: `packio info URL` printed shard addresses that answer 404 (over HTTP the
+    dataset's folder dropped, on S3 the upload's v-VERSION folder missing). The addresses
+    printed for a local, an HTTP and an S3 dataset are fetched and open with webdataset."""
+    import fsspec
+    import webdataset as wds
+    from braceexpand import braceexpand
+
+    from packio.cli import main
+
+    src, csv = gen_folder
+    kw = dict(csv=csv, shard_samples=4, progress=False, workers=0)
+    local = packio.convert(src, tmp_path / "f17.wds", **kw).output
+    packio.convert(src, http_server.root / "f17.wds", **kw)
+    packio.convert(src, f"s3://{bucket}/f17.wds", **kw)
+    want = sorted(packio.open_reader(local).key(i) for i in range(14))
+    for k, path in enumerate([local, f"{http_server.url}/f17.wds", f"s3://{bucket}/f17.wds"]):
+        assert main(["info", path]) == 0
+        pattern = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("shards:"))
+        shards = []
+        for j, address in enumerate(braceexpand(pattern.rsplit(": ", 1)[1])):
+            with fsspec.open(address, "rb") as f:  # a 404 fails here
+                shards.append(tmp_path / f"got{k}-{j}.tar")
+                shards[-1].write_bytes(f.read())
+        got = [json.loads(s["json"])["key"] for s in wds.WebDataset([str(p) for p in shards], shardshuffle=False)]
+        assert sorted(got) == want, path
+
+
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
 def test_dataloader_two_workers_exactly_once_one_download_per_shard(ctx, tar_pair, bucket, s3_server):
     url, local, cache = tar_pair

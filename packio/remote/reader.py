@@ -31,8 +31,8 @@ from packio.remote.cache import Cache, FileInfo, Pin
 from packio.remote.shards import RemoteShards
 from packio.remote.store import Retry, Store
 
-__all__ = ["ManifestWatch", "RemoteTarReader", "data_store", "identity", "listing", "open_url", "read_manifest",
-           "safe_rel", "settings", "version"]
+__all__ = ["ManifestWatch", "RemoteTarReader", "data_store", "describe_packed", "identity", "listing", "open_url",
+           "read_manifest", "safe_rel", "settings", "version"]
 
 SINGLE_FILE = (".h5", ".hdf5")
 
@@ -64,6 +64,18 @@ def open_url(url: str, *, cache_dir: str | Path | None = None, cache_limit: int 
         return RemoteTarReader.open(data, cache, vdir, manifest, files, prefetch, ManifestWatch(store, version(text)))
     _pin(vdir, cache.fetch_all(data, files, vdir, text))
     return open_reader(vdir)
+
+
+def describe_packed(url: str, **kwargs: Any) -> tuple[Manifest, int, str]:
+    """A packed dataset's manifest, the bytes it lists, and the URL its files lie under,
+    from the manifest alone (an HDF5 file: cached whole, as :func:`open_url` does)."""
+    url = url.rstrip("/")
+    if Path(url.rpartition("/")[2]).suffix.lower() in SINGLE_FILE:
+        reader = open_url(url, **kwargs)
+        return reader.manifest, reader.path.stat().st_size, url
+    store = Store(url, kwargs.get("storage_options"))
+    text, m = read_manifest(store)
+    return m, sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict)), data_store(store, text).url
 
 
 def settings(cache_dir: str | Path | None, cache_limit: int | str | None, retries: int, timeout: float,
