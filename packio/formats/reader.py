@@ -1,23 +1,13 @@
-"""The Reader contract: what the read pipeline may call on a reader, what a format
-implements, and what a reader declares. Nothing here is wrapped or routed behind the
-caller's back: the public methods below are the only doors, each written out once.
-
-Callers (``packio/read``, verify, pack, the CLI) use: ``len(reader)``, ``manifest``,
-``path``, :meth:`~Reader.check_index` / :meth:`~Reader.check_indices`,
-:meth:`~Reader.read`, :meth:`~Reader.read_batch`, :meth:`~Reader.key`,
-:meth:`~Reader.units`, :meth:`~Reader.plan`, :meth:`~Reader.fetch_all`,
-:meth:`~Reader.close`, and the two capabilities ``reads_batches`` and ``streams``.
-
-A format implements the hooks: ``_open`` and ``_load(i)`` always; ``_load_key``,
-``_load_batch``, ``_drop_handles``, ``_stored_id``, ``units``, ``check_stored`` and
-the class methods (``claims``, ``open_unlisted``, ``describe``, ``read_manifest``)
-where it knows better than the defaults. The hooks may raise native errors (OSError,
-ValueError, ...): the public methods turn them into packio errors naming the file.
-
-Replacement is all or nothing: once any call finds the dataset replaced
-(:class:`DatasetReplacedError`), that call and every later one raise it; nothing is
-read again sample by sample, and ``read_batch`` lets it (and any ``RemoteError``)
-through instead of putting it in a sample's place.
+"""The Reader contract. Callers (the read pipeline, verify, pack, the CLI) use only the
+public names: ``len``, ``manifest``, ``path``, ``check_index(es)``, ``read``,
+``read_batch``, ``key``, ``units``, ``plan``, ``fetch_all``, ``close`` and the declared
+capabilities ``reads_batches`` / ``streams``. A format implements the hooks (``_open``,
+``_load`` always; ``_load_key``, ``_load_batch``, ``_drop_handles``, ``_stored_id``,
+``units``, ``check_stored`` and the class methods where it knows better): the public
+methods, written out once here and never wrapped, turn a hook's native errors into packio
+errors. Replacement is all or nothing: once a call finds the dataset replaced, it and
+every later one raise ``DatasetReplacedError``; ``read_batch`` never puts that (or a
+``RemoteError``) in a sample's place, nor reads again sample by sample.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError,
 from packio.manifest import MANIFEST_NAME, Manifest, manifest_id
 from packio.sample import Sample
 
-__all__ = ["NATIVE_ERRORS", "Reader", "StoredBatch", "contained", "file_identity", "inside"]
+__all__ = ["NATIVE_ERRORS", "Reader", "StoredBatch", "contained", "file_identity", "folder_identity", "inside"]
 
 # What a damaged or hostile file makes numpy, h5py, the OS or struct raise. Not IndexError
 # or TypeError: those stay the caller's (a bad index), the readers check the file's own.
@@ -67,6 +57,11 @@ def contained(root: Path, rel: str, checked: set[str]) -> Path:
         checked.add(folder)
     path = root / rel
     return inside(root, rel) if os.path.islink(path) else path
+
+
+def folder_identity(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -137,15 +132,7 @@ class Reader(ABC):
     def read(self, i: int) -> Sample:
         """Stored sample ``i``; one bad sample is a ``CorruptSampleError``."""
         i = self.check_index(i)
-        try:
-            self._ensure_open()
-            return self._load(i)
-        except DatasetReplacedError as exc:
-            raise self._stick(exc) from None
-        except PackioError:
-            raise
-        except NATIVE_ERRORS as exc:
-            raise self._damage(exc, f"#{i}") from None
+        return self._door(self._load, i, i)
 
     @final
     def read_batch(self, indices: Any, threads: Any = None) -> StoredBatch:
@@ -154,29 +141,13 @@ class Reader(ABC):
         one pixel block. ``threads``: anything with ``size()`` and ``map(fn, n)`` (the read
         pipeline's decode threads) that a reader may share a copy with."""
         idx = self.check_indices(indices)
-        try:
-            self._ensure_open()
-            return self._load_batch(idx, threads)
-        except DatasetReplacedError as exc:
-            raise self._stick(exc) from None
-        except PackioError:
-            raise
-        except NATIVE_ERRORS as exc:
-            raise self._damage(exc, "(batch)") from None
+        return self._door(self._load_batch, None, idx, threads)
 
     @final
     def key(self, i: int) -> str:
         """Sample ``i``'s key (formats keeping records apart from images read the record only)."""
         i = self.check_index(i)
-        try:
-            self._ensure_open()
-            return self._load_key(i)
-        except DatasetReplacedError as exc:
-            raise self._stick(exc) from None
-        except PackioError:
-            raise
-        except NATIVE_ERRORS as exc:
-            raise self._damage(exc, f"#{i}") from None
+        return self._door(self._load_key, i, i)
 
     def units(self) -> list[range]:
         """Contiguous index ranges read as a unit by streaming (shards, blocks)."""
@@ -283,6 +254,19 @@ class Reader(ABC):
 
     # -- shared machinery ------------------------------------------------------------------------
 
+    def _door(self, hook: Callable[..., Any], i: int | None, *args: Any) -> Any:
+        """``hook(*args)`` once this process's handles are open; a native error becomes a
+        packio error naming the file (and sample ``i``), a replaced dataset sticks."""
+        try:
+            self._ensure_open()
+            return hook(*args)
+        except DatasetReplacedError as exc:
+            raise self._stick(exc) from None
+        except PackioError:
+            raise
+        except NATIVE_ERRORS as exc:
+            raise self._damage(exc, i) from None
+
     def _each(self, idx: np.ndarray, load: Callable[[int], Sample]) -> list[Sample | PackioError]:
         """``load(i)`` for each index, a packio error (one bad sample) in its place; a
         replaced dataset or a remote failure is no sample's damage: it raises."""
@@ -295,11 +279,11 @@ class Reader(ABC):
             except PackioError as exc:
                 out.append(exc)
             except NATIVE_ERRORS as exc:
-                out.append(self._damage(exc, f"#{i}"))
+                out.append(self._damage(exc, i))
         return out
 
-    def _damage(self, exc: BaseException, where: str) -> CorruptSampleError:
-        return CorruptSampleError(where, f"{self.path}: {type(exc).__name__}: {exc}")
+    def _damage(self, exc: BaseException, i: int | None) -> CorruptSampleError:
+        return CorruptSampleError("(batch)" if i is None else f"#{i}", f"{self.path}: {type(exc).__name__}: {exc}")
 
     def _stick(self, exc: DatasetReplacedError) -> DatasetReplacedError:
         """Remember that the dataset was found replaced: every later call raises too."""
@@ -322,7 +306,7 @@ class Reader(ABC):
                                   f"damaged, re-pack it") from None
             self._pid = os.getpid()
             try:
-                self._h_root = _identity(self.path)
+                self._h_root = folder_identity(self.path)
                 self._check_id()  # after: the handles belong to the dataset this reader describes
             except BaseException:
                 self.close()
@@ -350,7 +334,7 @@ class Reader(ABC):
         """For files opened lazily by path: raise when the folder the handles came from
         is no longer the one at ``self.path`` (records of one dataset, images of another)."""
         try:
-            same = _identity(self.path) == self._h_root
+            same = folder_identity(self.path) == self._h_root
         except OSError:
             same = False
         if not same:
@@ -360,8 +344,3 @@ class Reader(ABC):
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_h_")}
         state["_pid"] = None
         return state
-
-
-def _identity(path: Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino

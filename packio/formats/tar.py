@@ -32,7 +32,7 @@ from packio.decode import sniff
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError
 from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, WriteOptions, Writer, decode_stored, pack_record,
                                  payload_bytes, unpack_record)
-from packio.formats.reader import Reader, StoredBatch, file_identity, inside
+from packio.formats.reader import Reader, StoredBatch, file_identity, folder_identity, inside
 from packio.formats.spill import SpilledColumn
 from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample, checksum
@@ -402,20 +402,20 @@ def _fitting(extra: Any) -> dict[str, Any]:
 
 
 class ShardSource(ABC):
-    """Where a :class:`TarReader`'s shard bytes come from: ``names`` are the shard files.
-    Per-process state is made by :meth:`open` and dropped by :meth:`close` (in a forked
-    child without touching the parent's); a source pickles without it."""
+    """Where a :class:`TarReader`'s shard bytes (``names``) come from. Per-process state
+    is made by :meth:`open` and dropped by :meth:`close`; a source pickles without it."""
 
     checks_samples = False  # True: bytes come by range, unchecked: each record and payload is checked as read
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
 
-    def open(self) -> None:
-        """This process's handles (called when the reader opens in a process)."""
+    @abstractmethod
+    def open(self) -> None: ...
 
+    @abstractmethod
     def close(self) -> None:
-        """Drop this process's handles."""
+        """Drop this process's handles (in a forked child: without touching the parent's)."""
 
     @abstractmethod
     def read(self, shard: int, off: int, size: int, i: int) -> bytes:
@@ -427,27 +427,17 @@ class ShardSource(ABC):
     def unstage(self) -> None:
         """Those samples are read."""
 
+    @abstractmethod
     def replaced(self) -> str | None:
-        """Why the bytes may no longer be those of the dataset that was opened, or None."""
-        return None
-
-    def plan(self, shards: np.ndarray) -> None:
-        """The shard of each sample this process will read, in order."""
-
-    def fetch_all(self) -> dict[str, str]:
-        """Fetch every file that lives elsewhere; what went wrong with each that failed."""
-        return {}
+        """Why the bytes may no longer be those of the dataset opened, or None."""
 
 
 class LocalShards(ShardSource):
-    """Shard files on disk, opened on first use, at most ``MAX_OPEN_SHARDS`` per process
-    (least recently used closed first, so thousands of shards fit any descriptor limit).
-
-    ``root``: the dataset folder; a shard opened later must come from the folder whose
-    identity the reader opened (else the dataset was replaced: a descriptor opened during
-    that failed check is closed, never kept). ``stamps``: each shard's file identity
-    taken before it was scanned (shards another tool wrote, which no manifest ties
-    together), checked when a shard is opened and before each read."""
+    """Shard files, opened on first use, at most ``MAX_OPEN_SHARDS`` per process (least
+    recently used closed first). ``root``: the dataset folder; a shard opened later must
+    come from the folder the reader opened (a descriptor opened during a failed check is
+    closed, never kept). ``stamps``: each shard's :func:`file_identity` taken before it was
+    scanned (shards another tool wrote), checked when it is opened and before each read."""
 
     def __init__(self, paths: list[Path], root: Path | None = None,
                  stamps: list[tuple[int, int, int, int]] | None = None) -> None:
@@ -461,7 +451,7 @@ class LocalShards(ShardSource):
 
     def open(self) -> None:
         self._fds = OrderedDict()
-        self._root_id = _folder_id(self.root) if self.root is not None else None
+        self._root_id = folder_identity(self.root) if self.root is not None else None
 
     def close(self) -> None:
         fds, self._fds = self._fds, OrderedDict()
@@ -473,10 +463,8 @@ class LocalShards(ShardSource):
 
     def read(self, shard: int, off: int, size: int, i: int) -> bytes:
         fd, end = self._fd(shard)
-        if self.stamps is not None:  # a shard rewritten in place under an open descriptor
-            st = os.fstat(fd)
-            if file_identity(st) != self.stamps[shard]:
-                raise DatasetReplacedError(self._rewritten(shard))
+        if self.stamps is not None and file_identity(os.fstat(fd)) != self.stamps[shard]:  # rewritten in place
+            raise DatasetReplacedError(self._rewritten(shard))
         return read_span(fd, end, off, size, i, self.names[shard])
 
     def _fd(self, shard: int) -> tuple[int, int]:
@@ -489,9 +477,8 @@ class LocalShards(ShardSource):
         fd = limits.open_regular(self.paths[shard])
         try:
             st = os.fstat(fd)
-            if self.stamps is not None and file_identity(st) != self.stamps[shard]:
-                raise DatasetReplacedError(self._rewritten(shard))
-            why = self._root_moved()
+            why = self._rewritten(shard) if self.stamps is not None and file_identity(st) != self.stamps[shard] \
+                else self._root_moved()
             if why is not None:
                 raise DatasetReplacedError(why)
         except BaseException:
@@ -508,21 +495,20 @@ class LocalShards(ShardSource):
         if self._root_id is None:
             return None
         try:
-            same = _folder_id(self.root) == self._root_id  # type: ignore[arg-type]
+            same = folder_identity(self.root) == self._root_id  # type: ignore[arg-type]
         except OSError:
             same = False
         return None if same else (f"{self.root} was replaced or removed (another 'packio convert --overwrite'?) "
                                   f"after this reader opened it; open the dataset again")
 
     def replaced(self) -> str | None:
-        if self.stamps is not None:
-            for k, path in enumerate(self.paths):
-                try:
-                    now = file_identity(os.stat(path))
-                except OSError:
-                    now = None
-                if now != self.stamps[k]:
-                    return self._rewritten(k)
+        for k, path in enumerate(self.paths if self.stamps is not None else []):
+            try:
+                now = file_identity(os.stat(path))
+            except OSError:
+                now = None
+            if now != self.stamps[k]:  # type: ignore[index]
+                return self._rewritten(k)
         return self._root_moved()
 
 
@@ -534,11 +520,6 @@ def read_span(fd: int, end: int, off: int, size: int, i: int, name: str) -> byte
     if len(data) != size:
         raise CorruptSampleError(f"#{i}", f"shard {name} is truncated")
     return data
-
-
-def _folder_id(path: Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
 
 
 class TarReader(Reader):
@@ -717,17 +698,6 @@ class TarReader(Reader):
         for a, b in zip(bounds[:-1], bounds[1:]):
             out += [range(s, min(s + 512, b)) for s in range(a, b, 512)]
         return out
-
-    def plan(self, seq: np.ndarray) -> None:
-        """A streaming source is told the shard of each sample ``seq`` reads, in order."""
-        if not self.streams:
-            return
-        self._ensure_open()
-        seq = np.asarray(seq, np.int64)
-        self.source.plan(self.index[seq, 0] if len(seq) else np.zeros(0, np.int64))
-
-    def fetch_all(self) -> dict[str, str]:
-        return self.source.fetch_all()
 
 
 def index_width(manifest: Manifest) -> int:

@@ -210,6 +210,7 @@ class RemoteTarReader(TarReader):
     def __init__(self, vdir: Path, manifest: Manifest, index: np.ndarray, source: RemoteShards,
                  foreign: dict[int, tuple[str, int]] | None = None, name: str = "") -> None:
         super().__init__(vdir, manifest, index=index, foreign=foreign, source=source)
+        self.source: RemoteShards = source
         self.name = name or str(source.store)
         self.files_at = source.store.url  # where the dataset's files lie (for packio info)
 
@@ -239,6 +240,15 @@ class RemoteTarReader(TarReader):
 
     def __str__(self) -> str:
         return self.name
+
+    def plan(self, seq: np.ndarray) -> None:
+        """Streaming: the source is told the shard of each sample ``seq`` reads, in order."""
+        self._ensure_open()
+        seq = np.asarray(seq, np.int64)
+        self.source.plan(self.index[seq, 0] if len(seq) else np.zeros(0, np.int64))
+
+    def fetch_all(self) -> dict[str, str]:
+        return self.source.fetch_all()
 
     def _stored_id(self) -> str:
         """The cache folder is named by this manifest's digest: it holds this dataset and

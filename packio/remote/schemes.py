@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from packio.errors import RangeNotSupportedError
 
-__all__ = ["CHUNK", "OTHER", "SCHEMES", "CutTransfer", "Scheme", "refused", "scheme_of"]
+__all__ = ["CHUNK", "OTHER", "SCHEMES", "CutTransfer", "Scheme", "read_upto", "refused", "scheme_of"]
 
 CHUNK = 4 << 20  # bytes per streamed read
 
@@ -46,7 +46,7 @@ def refused(url: str, want: int, start: int, got: object) -> RangeNotSupportedEr
                                   f"a stream (iterable=True)")
 
 
-def _read_upto(read: Callable[[int], bytes], limit: int, keep: bool) -> tuple[list[bytes], int]:
+def read_upto(read: Callable[[int], bytes], limit: int, keep: bool) -> tuple[list[bytes], int]:
     """Chunks of a body until it ends or ``limit`` bytes came (``keep``: kept, else only counted)."""
     chunks, got = [], 0
     while got < limit:
@@ -82,9 +82,9 @@ def _http_range(fs: Any, path: str, start: int, end: int, url: str) -> bytes:
         r = getattr(f, "r", None)
         length = getattr(r, "content_length", None)
         if getattr(r, "status", 206) == 206 or (start == 0 and length in (None, want)):  # the bytes asked for
-            chunks, got = _read_upto(f.read, want + 1, keep=True)
+            chunks, got = read_upto(f.read, want + 1, keep=True)
         else:  # the whole object, from its first byte
-            whole = _read_upto(f.read, length if isinstance(length, int) else end, keep=False)[1]
+            whole = read_upto(f.read, length if isinstance(length, int) else end, keep=False)[1]
             if isinstance(length, int) and whole < length:
                 raise CutTransfer(f"a 200 answer ended after {whole} of its {length} bytes")
             raise refused(url, want, start, "the whole file")
@@ -121,7 +121,7 @@ def _s3_range(fs: Any, path: str, start: int, end: int, url: str) -> bytes:
         length = resp.get("ContentLength")
         if isinstance(length, int) and length != want:
             raise refused(url, want, start, "more" if length > want else length)
-        chunks, got = _read_upto(lambda n: sync(fs.loop, body.read, n), want + 1, keep=True)
+        chunks, got = read_upto(lambda n: sync(fs.loop, body.read, n), want + 1, keep=True)
     finally:
         body.close()  # an unread rest is dropped with its connection
     if got > want:

@@ -21,25 +21,21 @@ import threading
 from collections import OrderedDict
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
-from packio.errors import CorruptSampleError, DatasetReplacedError, RemoteError
+from packio.errors import (CorruptSampleError, DatasetReplacedError, RemoteError, RemoteTimeoutError,
+                           RemoteUnreachableError)
 from packio.formats.tar import ShardSource, read_span
 from packio.remote.cache import Cache, FileInfo, Pin, open_cached
 from packio.remote.store import Store
 
-__all__ = ["RemoteShards", "Watch"]
+__all__ = ["RemoteShards"]
 
 log = logging.getLogger("packio")
 MERGE_GAP = 4096  # read an image and its JSON member as one range when this close
 _PER_PROCESS = ("_pins", "_fds", "_lock", "_ranges", "_plan", "_prefetcher")
-
-
-class Watch(Protocol):
-    def replaced(self) -> str | None:
-        """Why the dataset at the URL is no longer the one opened, or None."""
 
 
 class _Plan:
@@ -109,7 +105,7 @@ class RemoteShards(ShardSource):
     max_open = 64  # shards kept pinned and open for map-style reads
 
     def __init__(self, store: Store, cache: Cache, vdir: Path, names: list[str], files: dict[str, FileInfo],
-                 watch: Watch, prefetch: int = 2, ranges: bool = True) -> None:
+                 watch: Any, prefetch: int = 2, ranges: bool = True) -> None:
         super().__init__(names)
         self.store, self.cache, self.vdir, self.files, self.watch = store, cache, vdir, files, watch
         self.prefetch = max(0, int(prefetch))
@@ -193,10 +189,12 @@ class RemoteShards(ShardSource):
     # -- internals -----------------------------------------------------------------------------
 
     def _watched(self, fn: Callable[[], Any]) -> Any:
-        """``fn()``; a remote failure (an object gone, a download failing its checksum) is
-        a replaced dataset when the watch says so."""
+        """``fn()``; a remote failure other than the server's silence (an object gone, a
+        download failing its checksum) is a replaced dataset when the watch says so."""
         try:
             return fn()
+        except (RemoteTimeoutError, RemoteUnreachableError):
+            raise
         except RemoteError:
             why = self.watch.replaced()
             if why is not None:

@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 
 from packio.errors import (BucketNotFoundError, RangeNotSupportedError, RemoteAccessError, RemoteError,
                            RemoteNotFoundError, RemoteTimeoutError, RemoteUnreachableError, redact)
-from packio.remote.schemes import CHUNK, refused, scheme_of
+from packio.remote.schemes import CHUNK, read_upto, refused, scheme_of
 
 __all__ = ["Retry", "Store", "redact"]
 
@@ -279,14 +279,10 @@ def _error(kind: str, what: str, url: str, exc: BaseException, tries: int) -> Re
 
 
 def _read(fs: Any, path: str, limit: int, url: str) -> bytes:
-    chunks, total = [], 0
     with fs.open(path, "rb", cache_type="none") as f:
-        while total <= limit:
-            b = f.read(min(CHUNK, limit + 1 - total))
-            if not b:
-                return b"".join(chunks)
-            chunks.append(b)
-            total += len(b)
+        chunks, total = read_upto(f.read, limit + 1, keep=True)
+    if total <= limit:
+        return b"".join(chunks)
     raise RemoteError(f"{url}: larger than packio's limit of {limit} bytes for this file; not a packio "
                       f"dataset, or raise the limit in packio.limits")
 
