@@ -634,14 +634,11 @@ class TarReader(Reader):
             src.unstage()
 
     def _load_key(self, i: int) -> str:
+        """The record's key (foreign shards: the scan's); not staged: a key is no read of
+        the sample (it does not advance a streaming plan)."""
         if self.foreign is not None:
             return self.foreign[i][0]
-        src = self.source
-        src.stage(self.index[i:i + 1])
-        try:
-            rec = self._record(i, *(int(v) for v in self.index[i, [0, 3, 4]]))
-        finally:
-            src.unstage()
+        rec = self._record(i, *(int(v) for v in self.index[i, [0, 3, 4]]))
         return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self._load(i).key
 
     def _record(self, i: int, shard: int, off: int, size: int) -> Any:
