@@ -396,18 +396,24 @@ class Items:
         by the decode thread that decodes it."""
         if stored is not None and (stored.samples is not None or not self.decoder.verify):
             return stored.rows().__getitem__
-        reader = self.reader
+        if self.pool.size() <= 1:  # one thread: the batch read in one go, then decoded
+            return [self._read(i) for i in idx.tolist()].__getitem__
         # Each decode thread reads its own sample (one at a time, under a lock), so reading
         # overlaps the other threads' decoding instead of holding them all up first.
         lock = threading.Lock()
 
         def read(j: int) -> Sample | PackioError:
             with lock:
-                try:
-                    return reader.read(int(idx[j]))
-                except (DatasetReplacedError, RemoteError):
-                    raise
-                except PackioError as exc:
-                    return exc
+                return self._read(int(idx[j]))
 
         return read
+
+    def _read(self, i: int) -> Sample | PackioError:
+        """Stored sample ``i``, or the error of that one sample (a replaced dataset or a
+        remote failure is none: it raises)."""
+        try:
+            return self.reader.read(i)
+        except (DatasetReplacedError, RemoteError):
+            raise
+        except PackioError as exc:
+            return exc

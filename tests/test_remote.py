@@ -166,8 +166,8 @@ def test_dataloader_two_workers_exactly_once_one_download_per_shard(ctx, tar_pai
         assert sorted(k for k, _ in got) == sorted(want)  # every sample exactly once
         assert all(want[k] == v for k, v in got)
     # the server's own count (HEADs count as GETs; s3fs HEADs each object it opens): manifest + the upload's
-    # marker (HEAD) + index + each of the 5 shards, once, for two workers and two epochs
-    assert s3_server.gets(bucket) - before == 2 + 1 + 2 * (1 + 5)
+    # marker (HEAD) + index + record digests + each of the 5 shards, once, for two workers and two epochs
+    assert s3_server.gets(bucket) - before == 2 + 1 + 2 * (2 + 5)
 
 
 def test_resume_mid_epoch(tar_pair):

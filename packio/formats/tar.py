@@ -1,9 +1,10 @@
 """Tar shards with WebDataset conventions: a folder ``DST.wds/`` with ``shard-000000.tar`` ... holding
 ``{key}.jpg`` (or .png/.bmp/.webp), ``{key}.cls`` (label as text) and ``{key}.json``
 (the packio record). ``index.npy`` (int64 rows: shard, image offset, image size,
-json offset, json size, and the json member's xxh3-64) gives random access without
-scanning; the digest ties each record read by a byte range to the index the reader
-opened (a re-upload in place cannot hand out its records under the old manifest).
+json offset, json size) gives random access without scanning; ``record_digests.npy``
+(each json member's xxh3-64, int64) ties a record read by a byte range to the dataset
+the reader opened (a re-upload in place cannot hand out its records under the old
+manifest). A separate file: readers that predate it read the dataset as before.
 
 :class:`TarReader` reads its shards through a :class:`ShardSource`: local files here
 (:class:`LocalShards`), a cache fed from a URL in :mod:`packio.remote`.
@@ -38,13 +39,13 @@ from packio.manifest import Manifest
 from packio.sample import EXTENSIONS, Sample, checksum
 
 __all__ = ["TarWriter", "TarReader", "ShardSource", "LocalShards", "FORMAT", "INDEX", "expand_pattern", "gather",
-           "index_width", "read_span", "record_digest", "scan_shard", "tar_pattern"]
+           "DIGESTS", "read_span", "record_digest", "scan_shard", "tar_pattern"]
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX = "index.npy"
 MAX_OPEN_SHARDS = 64  # shard descriptors one reader keeps open per process
 _SPILL = 1 << 13  # index rows a writer holds
-COLUMNS = ["shard", "image_offset", "image_size", "json_offset", "json_size", "json_xxh3"]
+DIGESTS = "record_digests.npy"
 
 
 def record_digest(blob: bytes | memoryview) -> int:
@@ -66,10 +67,11 @@ class TarWriter(Writer):
         super().__init__(path, options)
         path.mkdir(parents=True)
         self._shards: list[str] = []
-        # 6 numbers per sample (COLUMNS), _SPILL rows at a time, then appended to a file
-        # beside the output (held, they were 40 B a sample at a pack's peak); index.npy at close
-        self._rows = np.empty((_SPILL, len(COLUMNS)), np.int64)
-        self._index = SpilledColumn(path / ".index.spill", np.int64, (len(COLUMNS),))
+        # 5 numbers per sample (see INDEX) and the record's digest, _SPILL rows at a time, then
+        # appended to files beside the output (held, they were 40 B a sample at a pack's peak)
+        self._rows = np.empty((_SPILL, 6), np.int64)
+        self._index = SpilledColumn(path / ".index.spill", np.int64, (5,))
+        self._digests = SpilledColumn(path / ".digests.spill", np.int64)
         self._tar: tarfile.TarFile | None = None
         self._in_shard = 0
         self._shard_bytes = 0
@@ -114,7 +116,11 @@ class TarWriter(Writer):
         self._shard_bytes += len(data) + len(rec) + 1536
         self.count += 1
         if not self.count % _SPILL:
-            self._index.append(self._rows)
+            self._spill(self._rows)
+
+    def _spill(self, rows: np.ndarray) -> None:
+        self._index.append(np.ascontiguousarray(rows[:, :5]))
+        self._digests.append(np.ascontiguousarray(rows[:, 5]))
 
     def _add(self, name: str, blob: bytes | memoryview) -> int:
         """Append one member; returns the offset of its data (header bytes counted here,
@@ -139,15 +145,18 @@ class TarWriter(Writer):
 
     def close(self) -> dict[str, Any]:
         self._close_shard()
-        self._index.append(self._rows[:self.count % _SPILL])
+        self._spill(self._rows[:self.count % _SPILL])
         self._index.finish(self.path / INDEX)
+        self._digests.finish(self.path / DIGESTS)
         first = {"first_key": self.options.first_key} if self.options.first_key else {}
         return {"shards": self._shards, "index": INDEX, **first,
-                "index_columns": COLUMNS,
+                "index_columns": ["shard", "image_offset", "image_size", "json_offset", "json_size"],
+                "record_digests": DIGESTS,
                 "pattern": f"shard-{{000000..{max(len(self._shards) - 1, 0):06d}}}.tar"}
 
     def abort(self) -> None:
         self._index.discard()
+        self._digests.discard()
         if self._tar is not None:
             self._tar.close()
 
@@ -538,15 +547,15 @@ class TarReader(Reader):
             source = LocalShards([inside(path, s) for s in names], root=path)
         self.source = source
         if index is None:  # the header's shape must be the manifest's count, and fit the file
-            index = limits.load_npy(inside(path, INDEX), "<i8", (manifest.count, index_width(manifest)))
-        if index.dtype != np.int64 or index.ndim != 2 or index.shape[0] != manifest.count or \
-                index.shape[1] not in (5, len(COLUMNS)) or (len(index) and not (
-                    0 <= index[:, 0].min() and index[:, 0].max() < len(source.names))):
+            index = limits.load_npy(inside(path, INDEX), "<i8", (manifest.count, 5))
+        if index.dtype != np.int64 or index.shape != (manifest.count, 5) or (
+                len(index) and not (0 <= index[:, 0].min() and index[:, 0].max() < len(source.names))):
             raise FormatError(f"{path}: {INDEX} does not match the manifest ({manifest.count} samples, "
                               f"{len(source.names)} shards); re-pack the dataset")
         _check_rows(path / INDEX, index)
         self.index = index
         self.foreign = foreign  # index -> (key, label) for shards without packio records
+        self.digests: np.ndarray | None = None  # each record's xxh3-64, where a source reads records by range
 
     @staticmethod
     def detect_shards(path: str) -> bool:
@@ -645,15 +654,15 @@ class TarReader(Reader):
         if size > MAX_RECORD_BYTES:  # checked before reading: the index comes from the file
             raise CorruptSampleError(f"#{i}", f"json member of {size} bytes exceeds {MAX_RECORD_BYTES}")
         blob = self.source.read(shard, off, size, i)
-        if self.source.checks_samples and self.index.shape[1] > 5 and record_digest(blob) != self.index[i, 5]:
-            raise CorruptSampleError(f"#{i}", f"its record in {self.source.names[shard]} is not the one the "
-                                              f"index names (json_xxh3 differs)")
+        if self.source.checks_samples and self.digests is not None and record_digest(blob) != self.digests[i]:
+            raise CorruptSampleError(f"#{i}", f"its record in {self.source.names[shard]} is not the one "
+                                              f"{DIGESTS} names")
         return unpack_record(blob, f"#{i}", text=True)
 
     def _sample(self, i: int) -> Sample:
         """Sample ``i`` from bytes the source has (staged); damage found while the source
         says the dataset changed is that change, not a corrupt sample."""
-        shard, ioff, isize, joff, jsize = (int(v) for v in self.index[i, :5])
+        shard, ioff, isize, joff, jsize = (int(v) for v in self.index[i])
         src = self.source
         try:
             payload = src.read(shard, ioff, isize, i)
@@ -695,12 +704,6 @@ class TarReader(Reader):
         for a, b in zip(bounds[:-1], bounds[1:]):
             out += [range(s, min(s + 512, b)) for s in range(a, b, 512)]
         return out
-
-
-def index_width(manifest: Manifest) -> int:
-    """Columns of a dataset's ``index.npy``: 6 with the records' digests, 5 before them."""
-    cols = manifest.extra.get("index_columns")
-    return len(COLUMNS) if isinstance(cols, list) and COLUMNS[-1] in cols else 5
 
 
 FORMAT = FormatSpec(name="tar", suffixes=(".wds",), writer=TarWriter, reader=TarReader,

@@ -25,7 +25,7 @@ from packio import limits
 from packio.errors import BucketNotFoundError, FormatError, RemoteError, RemoteNotFoundError
 from packio.formats import open_reader
 from packio.formats.reader import Reader
-from packio.formats.tar import INDEX, TarReader, index_width
+from packio.formats.tar import DIGESTS, INDEX, TarReader
 from packio.manifest import DIGEST, MANIFEST_NAME, Manifest
 from packio.remote.cache import Cache, FileInfo, Pin
 from packio.remote.shards import RemoteShards
@@ -186,6 +186,16 @@ def listing(manifest: Manifest, url: str) -> dict[str, FileInfo]:
     return out
 
 
+def _fetch_npy(store: Store, cache: Cache, vdir: Path, files: dict[str, FileInfo], name: str,
+               shape: tuple[int, ...]) -> np.ndarray:
+    """A small int64 array of the dataset, fetched (checked against the manifest) and loaded."""
+    pin = cache.fetch(store, name, vdir, files[name])
+    try:
+        return limits.load_npy(vdir / name, "<i8", shape)
+    finally:
+        pin.release()
+
+
 class ManifestWatch:
     """Whether the manifest at ``top`` is still the upload a reader opened (``version``)."""
 
@@ -223,11 +233,8 @@ class RemoteTarReader(TarReader):
                               f"re-pack the dataset")
         if INDEX not in files:
             raise FormatError(f"{store}: the manifest does not list {INDEX}; re-pack the dataset")
-        pin = cache.fetch(store, INDEX, vdir, files[INDEX])
-        try:
-            index = limits.load_npy(vdir / INDEX, "<i8", (manifest.count, index_width(manifest)))
-        finally:
-            pin.release()
+        index = _fetch_npy(store, cache, vdir, files, INDEX, (manifest.count, 5))
+        digests = _fetch_npy(store, cache, vdir, files, DIGESTS, (manifest.count,)) if DIGESTS in files else None
         sizes = np.asarray([files[n][0] if files[n][0] is not None else -1 for n in names], np.int64)
         if len(index) and (sizes >= 0).all() and len(index[:, 0]) and 0 <= index[:, 0].min() \
                 and index[:, 0].max() < len(names):
@@ -236,7 +243,9 @@ class RemoteTarReader(TarReader):
                 (index[:, 3] >= 0) & (index[:, 3] + index[:, 4] > end)) | (index[:, 4] < 0)
             if bad.any():
                 raise FormatError(f"{store}: {INDEX} points past the end of its shards; re-pack the dataset")
-        return cls(vdir, manifest, index, RemoteShards(store, cache, vdir, names, files, watch, prefetch))
+        reader = cls(vdir, manifest, index, RemoteShards(store, cache, vdir, names, files, watch, prefetch))
+        reader.digests = digests  # packed before packio kept them: each payload against its record only
+        return reader
 
     def __str__(self) -> str:
         return self.name
