@@ -366,8 +366,9 @@ class Items:
 
     def get(self, indices: Sequence[int]) -> Batch:
         idx = self.reader.check_indices(indices)
-        stored = self._stored(idx) if self.reader.reads_batches or self.raw_batches else None
-        if stored is not None and stored.pixels is not None and self.raw_batches:
+        raw = self.raw_batches
+        stored = self._stored(idx) if raw or self.reader.reads_batches else None
+        if raw and stored is not None and stored.pixels is not None:
             return self.decoder.block(stored)
         return self.decoder.samples(idx, self._samples(idx, stored), self.pool, self.errors)
 
