@@ -125,7 +125,8 @@ def test_settings_and_names_checked(tmp_path: Path) -> None:
     with pytest.raises(PackioError, match=r"key 'x/a0.png' \(#0\)"):  # the first colliding key named
         packio.convert(a, ds, append=True, progress=False)
     assert (ds / "packio.json").read_bytes() == text and sorted(os.listdir(ds)) == sorted(
-        ["packio.json", "index.npy", *[f for f in os.listdir(ds) if f.endswith(".tar")]])
+        ["packio.json", "index.npy", "record_digests.npy", *[f for f in os.listdir(ds) if f.endswith(".tar")]]
+    )
     s = packio.convert(b, ds, append=True, progress=False, workers=0)  # the stored settings are used
     m = packio.open_reader(ds).manifest
     assert s.manifest.image["encodings"] == {"jpeg": 8} and m.image["quality"] == 80

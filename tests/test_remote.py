@@ -284,8 +284,8 @@ def test_two_processes_share_one_cache(tar_pair, bucket, s3_server, tmp_path):
         assert p.returncode == 0, err
         assert json.loads(out) == want
     # the server's own count: each process read the manifest (HEAD + GET) and found the upload's marker (HEAD);
-    # the index and 5 shards came once
-    assert s3_server.gets(bucket) - before == 2 * 3 + 2 * (1 + 5)
+    # the index, the record digests and 5 shards came once
+    assert s3_server.gets(bucket) - before == 2 * 3 + 2 * (2 + 5)
 
 
 def test_failed_conversion_leaves_nothing_readable(gen_folder, tmp_path, bucket, s3_server):
@@ -363,4 +363,4 @@ def test_cli_convert_info_verify_a_url(gen_folder, tmp_path, bucket, s3_server, 
     names = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
     sub = packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.files_at.rsplit("/", 1)[1]
     assert sorted(names) == sorted(["cli.wds/packio.json"] + [f"cli.wds/{sub}/{n}" for n in (
-        "index.npy", "packio.json", "shard-000000.tar")])  # the old upload's objects are gone
+        "index.npy", "packio.json", "record_digests.npy", "shard-000000.tar")])  # the old upload's are gone
