@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import sys
-from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 MAX_SIDE = 16384  # pixels: the largest --size / --short-side / --crop side accepted
@@ -86,7 +85,7 @@ def _address(text: str) -> str:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from packio.urls import convert
+    from packio.api import convert
     from packio.decode import ResizeSpec
     from packio.options import PackOptions
     from packio.sources import parse_columns
@@ -118,28 +117,6 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
-def _manifest_and_bytes(path: str) -> tuple[Any, int]:
-    """The manifest of the dataset at ``path`` and the bytes it holds. A packed dataset at a
-    URL: its manifest only, nothing else is downloaded. Shards another tool wrote have no
-    manifest: they are read (at a URL: once, into the cache) to count their samples."""
-    from packio.manifest import disk_bytes
-    from packio.remote import is_foreign
-    from packio.urls import is_url, open_reader
-
-    if is_url(path) and not is_foreign(path):
-        from packio.remote.reader import read_manifest
-        from packio.remote.store import Store
-
-        m = read_manifest(Store(path))[1]
-        return m, sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict))
-    reader = open_reader(path)
-    if is_url(path):  # foreign shards at a URL: the sizes the server gave
-        return reader.manifest, sum(size for size, _ in reader.files.values())
-    if reader.manifest.source.get("foreign"):  # a pattern or a folder of shards: only the shards count
-        return reader.manifest, sum(s.stat().st_size for s in reader.shards)
-    return reader.manifest, disk_bytes(Path(path))
-
-
 def _printable(text: str) -> str:
     """``text`` with the characters a terminal would act on (escapes, control and format
     characters, as a hostile manifest's names may hold) written as Python escapes."""
@@ -153,15 +130,15 @@ def _boxes_counted(m: Any) -> bool:
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
+    from packio.api import describe
+    from packio.errors import is_url, redact
     from packio.manifest import count_text
     from packio.pack.report import describe_history, describe_output
-    from packio.urls import is_url
 
-    m, size = _manifest_and_bytes(a.path)
+    m, size, where = describe(a.path)
     if a.json:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
-    p = Path(a.path)
     say = lambda text: print(_printable(text))  # noqa: E731  (stored names may hold terminal escapes)
     say(f"path:     {a.path}")
     say(f"format:   {m.format} (layout version {m.version})")
@@ -178,8 +155,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
         say(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
     elif not _boxes_counted(m):  # a dataset without boxes (said once: the census line gives boxes without classes)
         say("boxes:    none")
-    for line in describe_output(p, m):  # a URL: Path() merged its '//'
-        say(line.replace(str(p.parent), a.path.rsplit("/", 1)[0]) if is_url(a.path) else line)
+    for line in describe_output(redact(where), m):  # where the files lie: a folder, or the URL they are served at
+        say(line)
     shape = m.image.get("shape")
     say(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
     say(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))
@@ -216,7 +193,7 @@ def _checksums_text(m: Any) -> str:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from packio.urls import verify
+    from packio.api import verify
 
     report = verify(a.path)
     print(report.text())

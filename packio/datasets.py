@@ -23,15 +23,15 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio.collation import Batch
-from packio.errors import FormatError, PackioError, StateError, redact
-from packio.formats.base import Reader
+from packio.errors import FormatError, PackioError, StateError, is_url, redact
+from packio.formats.reader import Reader
 from packio.items import Item, Items
 from packio.options import DecodeOptions, merge_options
 from packio.order import (Split, check_epoch, check_even, check_int, dist_info, dist_world, epoch_order,
                           make_state, rank_lengths, read_state, units_digest, worker_slice)
 from packio.sample import Sample
 
-__all__ = ["PackedDataset", "PackedIterableDataset", "ResumableSampler", "open_dataset", "format_classes"]
+__all__ = ["PackedDataset", "PackedIterableDataset", "ResumableSampler", "format_classes"]
 
 WORKER_STATE = "packio_worker_state"
 
@@ -96,8 +96,6 @@ class PackedDataset(Dataset):
 def _not_a_url(path: Any, cls: type, iterable: bool) -> None:
     """A URL reads through a cache with retries and timeouts, which open_dataset sets up
     (and takes the options of): said before any keyword of those options is refused."""
-    from packio.remote import is_url
-
     if is_url(path):
         how = "url, iterable=True" if iterable else "url"
         raise FormatError(f"{redact(path)}: a URL; use packio.open_dataset({how}) (it takes cache_dir=, "
@@ -351,8 +349,7 @@ class PackedIterableDataset(_Resumable, IterableDataset):
             p = self._worker_pass(info.id, info.num_workers, chunk)
             seq = worker_slice(p.split.sequence(), info.id, info.num_workers, chunk)
         self._pass = p
-        if hasattr(self.reader, "plan"):  # remote shards: fetched whole, in this order, prefetched
-            self.reader.plan(seq[p.taken:])
+        self.reader.plan(seq[p.taken:])  # a streaming reader (remote shards) fetches them in this order
         return self._stream(seq, p)
 
     def _worker_pass(self, worker: int, workers: int, chunk: int) -> _Pass:
@@ -468,31 +465,6 @@ class ResumableSampler(_Resumable, torch.utils.data.Sampler[int]):
             p.taken += 1
             yield i
         self._end(p)
-
-
-def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOptions | None = None,
-                 cache_dir: str | Path | None = None, cache_limit: int | str | None = None,
-                 storage_options: dict[str, Any] | None = None, retries: int = 10, timeout: float = 10.0,
-                 retry_seconds: float = 30.0, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
-    """Open any packed dataset (the format comes from its manifest) as a
-    :class:`PackedDataset`, or with ``iterable=True`` a :class:`PackedIterableDataset`;
-    ``options`` and ``kwargs`` go to that class. A URL (``s3://``, ``https://``, any
-    fsspec URL) reads through a local cache: see :func:`packio.remote.open_url` for
-    ``cache_dir``, ``cache_limit``, ``storage_options``, ``retries``, ``timeout`` and
-    ``retry_seconds``."""
-    kwargs["options"] = options
-    from packio.remote import is_url
-
-    cls = PackedIterableDataset if iterable else PackedDataset
-    if not is_url(path):
-        return cls(path, **kwargs)
-    from packio.remote import open_url
-
-    reader = open_url(path, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options,
-                      retries=retries, timeout=timeout, retry_seconds=retry_seconds)
-    ds = cls(reader, **kwargs)
-    ds.path = str(path)
-    return ds
 
 
 _FORMAT_CLASSES: dict[str, type] = {}

@@ -27,7 +27,7 @@ from packio import limits
 from packio.collation import Batch, item, stack_images
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
 from packio.formats import open_reader
-from packio.formats.base import Reader, StoredBatch
+from packio.formats.reader import Reader, StoredBatch
 from packio.options import DecodeOptions
 from packio.sample import Sample, checksum
 
@@ -366,14 +366,22 @@ class Items:
 
     def get(self, indices: Sequence[int]) -> Batch:
         idx = self.reader.check_indices(indices)
-        if self.raw_batches:
-            try:
-                stored = self.reader.read_batch(idx, self.pool)
-            except PackioError:
-                stored = None  # the per-sample route below finds the bad sample and applies on_error
-            if stored is not None and stored.pixels is not None:
-                return self.decoder.block(stored)
-        return self.decoder.samples(idx, self._samples(idx), self.pool, self.errors)
+        raw = self.raw_batches
+        stored = self._stored(idx) if raw or self.reader.reads_batches else None
+        if raw and stored is not None and stored.pixels is not None:
+            return self.decoder.block(stored)
+        return self.decoder.samples(idx, self._samples(idx, stored), self.pool, self.errors)
+
+    def _stored(self, idx: np.ndarray) -> StoredBatch | None:
+        """The reader's ``read_batch``; None when it failed on damage (the per-sample route
+        then finds the bad sample and applies on_error). A replaced dataset or a remote
+        failure is no sample's damage: nothing is read again sample by sample."""
+        try:
+            return self.reader.read_batch(idx, self.pool)
+        except (DatasetReplacedError, RemoteError):
+            raise
+        except PackioError:
+            return None
 
     def one(self, i: int) -> Item | None:
         """Sample ``i`` (a checked index) as :meth:`get` would hand it in a batch, without
@@ -383,21 +391,30 @@ class Items:
         except PackioError as exc:
             return self.errors(exc)
 
-    def _samples(self, idx: np.ndarray) -> Callable[[int], Sample | PackioError]:
-        """Sample ``j`` of the batch, each read on its own (a bad one is its error)."""
-        reader = self.reader
-        if self.pool.size() > 1 and type(reader).read_many is Reader.read_many:
-            # A reader that reads sample by sample: each decode thread reads its own
-            # sample (one at a time, under a lock), so reading overlaps the other
-            # threads' decoding instead of holding them all up before the batch starts.
-            lock = threading.Lock()
+    def _samples(self, idx: np.ndarray, stored: StoredBatch | None) -> Callable[[int], Sample | PackioError]:
+        """Sample ``j`` of the batch (a bad one is its error): from ``stored`` when there is
+        one (a pixel block's rows unless checksums are verified), else each read on its own
+        by the decode thread that decodes it."""
+        if stored is not None and (stored.samples is not None or not self.decoder.verify):
+            return stored.rows().__getitem__
+        if self.pool.size() <= 1:  # one thread: the batch read in one go, then decoded
+            return [self._read(i) for i in idx.tolist()].__getitem__
+        # Each decode thread reads its own sample (one at a time, under a lock), so reading
+        # overlaps the other threads' decoding instead of holding them all up first.
+        lock = threading.Lock()
 
-            def read(j: int) -> Sample | PackioError:
-                with lock:
-                    try:
-                        return reader.read(int(idx[j]))
-                    except PackioError as exc:
-                        return exc
+        def read(j: int) -> Sample | PackioError:
+            with lock:
+                return self._read(int(idx[j]))
 
-            return read
-        return Reader.read_batch(reader, idx).samples.__getitem__  # type: ignore[union-attr]
+        return read
+
+    def _read(self, i: int) -> Sample | PackioError:
+        """Stored sample ``i``, or the error of that one sample (a replaced dataset or a
+        remote failure is none: it raises)."""
+        try:
+            return self.reader.read(i)
+        except (DatasetReplacedError, RemoteError):
+            raise
+        except PackioError as exc:
+            return exc

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from packio.collation import Batch
-from packio.datasets import PackedDataset, PackedIterableDataset, _SharedPosition, open_dataset
+from packio.datasets import PackedDataset, PackedIterableDataset, _SharedPosition
 from packio.errors import StateError
+from packio.formats.reader import Reader
 from packio.items import Items
 from packio.options import DecodeOptions, merge_options
 from packio.order import check_even, check_int, dist_info, epoch_order, make_state, read_state
@@ -80,12 +81,13 @@ def shares(weights: Sequence[float] | None, lengths: list[int], epoch_samples: i
 
 def _items(source: Any, options: DecodeOptions) -> tuple[Items, str]:
     """A source's Items and name: an opened packio dataset as it is (its own decode
-    options), or a path / URL opened with the mix's options."""
+    options), or a local path or an opened reader (a URL, opened by ``packio.mix``) read
+    with the mix's options."""
     if isinstance(source, (PackedDataset, PackedIterableDataset)):
         return source.items, source.path
-    if not isinstance(source, (str, Path)):
+    if not isinstance(source, (str, Path, Reader)):
         raise TypeError(f"a mix source is a path, a URL or a packio dataset, not {type(source).__name__}")
-    ds = open_dataset(source, options=options)
+    ds = PackedDataset(source, options=options)
     return ds.items, str(source)
 
 
@@ -104,8 +106,7 @@ class _Sources:
         """Tell each streaming (remote) reader the part of ``ids`` it will read, in order."""
         src = self.which(np.asarray(ids, np.int64))
         for s, items in enumerate(self.items):
-            if hasattr(items.reader, "plan"):
-                items.reader.plan(ids[src == s] - self.offsets[s])
+            items.reader.plan(ids[src == s] - self.offsets[s])
 
     def one(self, gid: int) -> dict[str, Any] | None:
         """Global sample ``gid`` as one sample of a :class:`MixedBatch` holding it."""

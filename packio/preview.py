@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from packio.datasets import open_dataset
+from packio.api import open_dataset
 from packio.errors import PackioError
 
 __all__ = ["show", "render"]

@@ -109,6 +109,19 @@ def run_printed_lmdb_lines(info: str) -> list[tuple[bytes, int]]:
     return [(bytes.fromhex(v), n) for v, n in eval(r.stdout)]
 
 
+def relabelled(root: Path, n: int, shift: int) -> Path:
+    """A flat folder ``root`` of ``n`` JPEGs of one size (made once) and a CSV labelling
+    them ``c0``..``c3``; another ``shift`` gives the same images other labels: packed, the
+    same member sizes (a re-pack or re-upload in place that only a record tells apart)."""
+    if not root.is_dir():
+        root.mkdir(parents=True)
+        for k in range(n):
+            (root / f"img{k:03d}.jpg").write_bytes(jpeg(20, 24, seed=k))
+    csv = root.parent / f"labels{shift}.csv"
+    csv.write_text("filename,label\n" + "".join(f"img{k:03d}.jpg,c{(k + shift) % 4}\n" for k in range(n)))
+    return csv
+
+
 def run_child_cases(code: str, args: list[str], timeout: float) -> tuple[dict[str, dict], str | None, str]:
     """Run ``python -c code *args``: a child that prints ``START name`` before each case
     and ``RESULT {json}`` after it. Returns the results by name, the case last started

@@ -63,7 +63,6 @@ def test_three_appends_with_new_classes(tmp_path: Path, suffix: str) -> None:
     srcs = [make(tmp_path / tag, classes, 3, tag) for classes, tag in batches]
     ds = tmp_path / f"ds{suffix}"
     packio.convert(srcs[0], ds, progress=False, workers=0)
-    seen = []
     for k, src in enumerate(srcs[1:], 1):
         before = packio.open_reader(ds).manifest.classes
         s = packio.convert(src, ds, append=True, progress=False, workers=0)
@@ -125,7 +124,8 @@ def test_settings_and_names_checked(tmp_path: Path) -> None:
     with pytest.raises(PackioError, match=r"key 'x/a0.png' \(#0\)"):  # the first colliding key named
         packio.convert(a, ds, append=True, progress=False)
     assert (ds / "packio.json").read_bytes() == text and sorted(os.listdir(ds)) == sorted(
-        ["packio.json", "index.npy", *[f for f in os.listdir(ds) if f.endswith(".tar")]])
+        ["packio.json", "index.npy", "record_digests.npy", *[f for f in os.listdir(ds) if f.endswith(".tar")]]
+    )
     s = packio.convert(b, ds, append=True, progress=False, workers=0)  # the stored settings are used
     m = packio.open_reader(ds).manifest
     assert s.manifest.image["encodings"] == {"jpeg": 8} and m.image["quality"] == 80

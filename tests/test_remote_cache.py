@@ -90,11 +90,11 @@ def test_limit_holds_with_many_entries_and_spares_a_pinned_shard(two_sets, tmp_p
     shards = sorted((root / "a.wds").glob("shard-*.tar"))
     limit = junk + int(max(p.stat().st_size for p in shards) * 3.5)  # the junk and 3 shards, not 5
     holder = packio.open_dataset(a, iterable=True, cache_dir=cache, **FAST)  # in the middle of shard 0
-    holder.reader.prefetch = 0
+    holder.reader.source.prefetch = 0
     held = iter(packio.DataLoader(holder, batch_size=2))
     keys_held = list(next(held)["key"])
     stream = packio.open_dataset(a, iterable=True, cache_dir=cache, cache_limit=limit, **FAST)
-    stream.reader.prefetch = 1
+    stream.reader.source.prefetch = 1
     usage, keys = [], []
     for batch in packio.DataLoader(stream, batch_size=3):
         keys += batch["key"]
@@ -120,7 +120,7 @@ def dying(path, *args, **kwargs):
 os.unlink = dying
 ds = packio.open_dataset(sys.argv[1], iterable=True, cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]),
                          retries=2, timeout=2.0, retry_seconds=4.0, decode=False)
-ds.reader.prefetch = 0
+ds.reader.source.prefetch = 0
 for _ in ds:
     pass
 print("never evicted")
@@ -384,7 +384,6 @@ def test_a_rewrite_of_the_index_keeps_the_downloads_in_flight(tmp_path):
     """The journal's rewrite from a walk sees no file for a download in flight: its
     reservation is kept while its download lock is held (here by this test, as another
     process holds it), and dropped, with its partial file, once it is not."""
-    import fcntl
 
     root = tmp_path / "c"
     held = _junk(root, 10)

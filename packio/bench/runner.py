@@ -335,7 +335,7 @@ def _timed_epoch(loader: Any, cold: bool, warmup: int | None, min_s: float = 1.0
                 break
     c0 = cpu_seconds()  # before the clock starts: it scans /proc, milliseconds on a busy machine
     t0 = time.perf_counter()
-    n = epochs = 0
+    n = epochs = per_epoch = 0
     t_first = n_first = None
     while True:
         for batch in loader:
@@ -343,7 +343,7 @@ def _timed_epoch(loader: Any, cold: bool, warmup: int | None, min_s: float = 1.0
             if t_first is None:
                 t_first, n_first = time.perf_counter(), n
         epochs += 1
-        per_epoch = n if epochs == 1 else per_epoch
+        per_epoch = per_epoch or n
         if cold or time.perf_counter() - t0 >= min_s or not n:
             break
     t_end = time.perf_counter()

@@ -13,7 +13,8 @@ import numpy as np
 
 from packio import limits
 from packio.errors import DatasetReplacedError, FormatError
-from packio.formats.base import FormatSpec, Reader, inside
+from packio.formats.base import FormatSpec
+from packio.formats.reader import Reader, inside
 from packio.manifest import MANIFEST_NAME, Manifest
 from packio.sample import Sample
 
@@ -83,15 +84,14 @@ class MultiPartReader(Reader):
             r.close()
 
     def _locate(self, i: int) -> tuple[Reader, int]:
-        i = self.check_index(i)
         k = bisect.bisect_right(self.starts, i) - 1
         return self.parts[k], i - self.starts[k]
 
-    def read(self, i: int) -> Sample:
+    def _load(self, i: int) -> Sample:
         reader, j = self._locate(i)
         return reader.read(j)
 
-    def key(self, i: int) -> str:
+    def _load_key(self, i: int) -> str:
         reader, j = self._locate(i)
         return reader.key(j)
 
@@ -105,21 +105,22 @@ class MultiPartReader(Reader):
         return dict(self.__dict__, _pid=None)
 
 
-def part_paths(path: Path, manifest: Manifest) -> list[tuple[Path, int, int]]:
-    """(folder, first sample, samples) of each part the manifest lists, in order, for the
+def part_paths(where: str, manifest: Manifest) -> list[tuple[str, int, int]]:
+    """(folder or file, as text, first sample, samples) of each part the manifest lists, below
+    ``where`` (a folder or a URL), in order, for the
     lines that tell how to open them with other tools; ``[(path, 0, count)]`` for a dataset
     of one part. Entries a reader would refuse (a path leading out, a count that is not
     one) are left out: these lines name files, they never open them."""
     parts = manifest.extra.get("parts")
     if not isinstance(parts, list):
-        return [(path, 0, manifest.count)]
+        return [(where, 0, manifest.count)]
     out, start = [], 0
     for p in parts:
         rel, n = (p.get("path"), p.get("count")) if isinstance(p, dict) else (None, None)
         if not isinstance(rel, str) or rel.startswith("/") or ".." in Path(rel).parts \
                 or not isinstance(n, int) or isinstance(n, bool) or n < 0:
             return out
-        out.append((path / rel, start, n))
+        out.append((f"{where.rstrip('/')}/{rel}", start, n))
         start += n
     return out
 

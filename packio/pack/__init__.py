@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from packio.errors import PackioError, SourceError
-from packio.formats.base import Reader
+from packio.formats.reader import Reader
 from packio.options import PackOptions, merge_options
 from packio.pack.append import (Relabeled, check_keys, commit_part, existing, first_key, merge_names, part_name,
                                 stored_options, unlabelled)

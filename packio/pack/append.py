@@ -31,7 +31,7 @@ from packio import census
 from packio.decode import ResizeSpec
 from packio.errors import FormatError, PackioError
 from packio.formats import get_format, open_reader
-from packio.formats.base import Reader, inside
+from packio.formats.reader import Reader, inside
 from packio.manifest import DIGEST, MANIFEST_NAME, Manifest, describe_files, file_digest, manifest_id
 from packio.options import PackOptions
 from packio.pack.commit import TMP_MARK, fsync_tree, remove, stale, temp_name

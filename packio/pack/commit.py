@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError
 from packio.formats import open_reader
-from packio.formats.base import Reader
+from packio.formats.reader import Reader
 from packio.manifest import MANIFEST_NAME, trust_manifest
 
 __all__ = ["TMP_MARK", "check_output", "check_not_inside_dataset", "output_lock", "terminate_cleanly", "staged",

@@ -9,7 +9,6 @@ import contextlib
 import functools
 import math
 import os
-import re
 import shutil
 import stat
 from collections import Counter
@@ -18,9 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from packio import census, limits
-from packio.errors import FormatError, PackioError, SourceError
+from packio.errors import FormatError, PackioError, SourceError, is_url
 from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
-from packio.formats.base import FormatSpec, Reader, WriteOptions
+from packio.formats.base import FormatSpec, WriteOptions
+from packio.formats.reader import Reader
 from packio.manifest import Manifest
 from packio.options import PackOptions
 from packio.pack.commit import check_not_inside_dataset, check_output, remove, temp_name
@@ -62,7 +62,7 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
     """``src`` (a path, or a reader opened already: a URL, opened by packio.convert) and
     ``dst`` as a path, the output's format and whether ``src`` is a packed dataset, once
     every check that needs no lock passed."""
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", str(dst)):
+    if is_url(str(dst)):
         raise PackioError(f"{dst}: a URL; convert to it with packio.convert (it packs locally, then uploads)")
     given = src if isinstance(src, Reader) else None
     src, dst = Path(str(src)), Path(str(dst).rstrip("/"))

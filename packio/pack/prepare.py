@@ -16,7 +16,7 @@ from packio import decode as dec
 from packio import geometry as geo
 from packio import limits
 from packio.errors import DatasetReplacedError, PackioError, RemoteError
-from packio.formats.base import Reader
+from packio.formats.reader import Reader
 from packio.sample import Sample, checksum, text_key, unstorable
 from packio.sources import SourceItem, boxes_to_stored_frame, read_image_file
 

@@ -50,7 +50,7 @@ class Summary:
         lines = [f"packed {self.packed} samples into {self.output} ({self.format}, "
                  f"{self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s"]
         if self.manifest is not None and "://" not in self.output:  # a URL: 'packio info URL' describes it
-            lines += describe_output(Path(self.output), self.manifest)
+            lines += describe_output(self.output, self.manifest)
         if self.manifest is not None:
             lines += census.describe(self.manifest)
         if self.info.get("workers"):
@@ -114,10 +114,11 @@ def summarize(dst: Path, format: str, problems: list[str], part: dict[str, Any],
                          "workers": part.get("workers")}, manifest=part["manifest"])
 
 
-def describe_output(path: Path, m: Manifest) -> list[str]:
-    """Lines telling how to open ``path`` with the neighbours' tools, and what its images are."""
+def describe_output(where: str, m: Manifest) -> list[str]:
+    """Lines telling how to open the dataset whose files lie at ``where`` (a folder, a
+    file, or the URL they are served at) with the neighbours' tools, and what its images are."""
     spec = formats().get(m.format)
-    lines: list[str] = spec.reader.describe(path, m) if spec is not None else []
+    lines: list[str] = spec.reader.describe(where, m) if spec is not None else []
     enc = m.image.get("encodings") or {}
     if isinstance(enc, dict) and enc:
         step = _whole_step(m.image.get("history") or [])
