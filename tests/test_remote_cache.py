@@ -279,7 +279,7 @@ def test_two_processes_mixing_two_sources_keep_the_cache_limit(noise_sets, tmp_p
         got = []
         while mixer.poll() is None and len(got) < 400:  # map-style reads while the mix runs
             k = rng.randrange(2)
-            got += [(k, s.key) for s in readers[k].read_many([rng.randrange(96) for _ in range(4)])]
+            got += [(k, s.key) for s in readers[k].read_batch([rng.randrange(96) for _ in range(4)]).rows()]
         out = mixer.communicate(timeout=180)[0].split()
     assert mixer.returncode == 0 and out == ["192", "192"], out  # every key of both sources once
     assert got and all(key.rsplit("/", 1)[-1].startswith("ab"[k]) for k, key in got)
@@ -417,10 +417,10 @@ def test_map_style_reads_do_not_hold_the_cache_over_its_limit(noise_sets, tmp_pa
     cache, limit = tmp_path / "cache", 8 * shard
     assert len(list(packio.open_dataset(a, iterable=True, cache_dir=cache, cache_limit=limit, **FAST))) == 96
     mapped = packio.open_dataset(a, cache_dir=cache, cache_limit=limit, **FAST)
-    assert len(mapped.reader.read_many(list(range(0, 96, 4)))) == 24  # one sample of each shard: 7 are cached
+    assert len(mapped.reader.read_batch(list(range(0, 96, 4))).rows()) == 24  # one sample of each shard: 7 are cached
     stream = packio.open_dataset(b, iterable=True, cache_dir=cache, cache_limit=limit, **FAST)
     stream.reader.prefetch = 4  # 5 shards in use at once: they fit the limit, not with the 7 mapped ones
     with _Peak(cache) as peak:
         assert len(list(stream)) == 96
     assert peak.peak <= limit + shard, f"{(peak.peak - limit) / shard:.1f} shards over"
-    assert len(mapped.reader.read_many(list(range(96)))) == 96
+    assert len(mapped.reader.read_batch(list(range(96))).rows()) == 96
