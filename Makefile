@@ -32,12 +32,12 @@ bench: install
 	$(PY) -m packio.bench
 
 # For GPU machines: the GPU decode extras, torch held at its installed version (so pip picks the
-# torchvision built for it) and nvImageCodec for its CUDA major; then every GPU figure.
+# torchvision built for it) and nvImageCodec for its CUDA major; then every GPU figure (gpu-out/gpu-run.md).
 TORCH_NOW = $(PY) -c 'import torch; print(torch.__version__.split("+")[0])'
 NVIMG_EXTRA = $(PY) -c 'import torch; print("nvimgcodec-cu13" if (torch.version.cuda or "").startswith("13") else "nvimgcodec")'
 gpu-check: install
 	$(PY) -m pip install -q -e ".[gpu,$$($(NVIMG_EXTRA))]" "torch==$$($(TORCH_NOW))"
-	$(PY) tools/gpu.py
+	$(PY) tools/gpu_run.py --out gpu-out
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache demo-out

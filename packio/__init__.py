@@ -13,8 +13,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "convert": "packio.urls", "Summary": "packio.pack",
-    "verify": "packio.urls",
+    "convert": "packio.api", "Summary": "packio.pack",
+    "verify": "packio.api",
     "collate": "packio.read.batch",
     "ResizeSpec": "packio.decode",
     "PackOptions": "packio.options", "DecodeOptions": "packio.options",
@@ -24,13 +24,13 @@ _LAZY = {
     "CorruptSampleError": "packio.errors", "OutputExistsError": "packio.errors", "StateError": "packio.errors",
     "OutputBusyError": "packio.errors", "DatasetReplacedError": "packio.errors",
     "RemoteError": "packio.errors",
-    "open_dataset": "packio.read.datasets", "PackedDataset": "packio.read.datasets",
+    "open_dataset": "packio.api", "PackedDataset": "packio.read.datasets",
     "PackedIterableDataset": "packio.read.datasets", "DataLoader": "packio.read.loader",
     "ResumableSampler": "packio.read.positions",
-    "open_reader": "packio.urls",
+    "open_reader": "packio.api",
     "tune": "packio.tuning",
     "show": "packio.preview",
-    "mix": "packio.read.mix", "MixedDataset": "packio.read.mix",
+    "mix": "packio.api", "MixedDataset": "packio.read.mix",
 }
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import re
+import signal
 import sys
-from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 MAX_SIDE = 16384  # pixels: the largest --size / --short-side / --crop side accepted
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -82,7 +85,7 @@ def _address(text: str) -> str:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from packio.urls import convert
+    from packio.api import convert
     from packio.decode import ResizeSpec
     from packio.options import PackOptions
     from packio.sources import parse_columns
@@ -104,30 +107,14 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         print(f"skipped: {line}", file=sys.stderr)
     if len(summary.problems) > len(shown):
         print(f"... and {len(summary.problems) - len(shown)} more (--verbose lists all)", file=sys.stderr)
-    print(summary.text())
+    if a.quiet:  # one line; what needs attention still said, on stderr
+        print(summary.line())
+        for line in summary.warnings():
+            kind, _, text = line.partition(":")
+            print(f"packio: {kind}: {text.strip()}", file=sys.stderr)
+    else:
+        print(summary.text())
     return 0
-
-
-def _manifest_and_bytes(path: str) -> tuple[Any, int]:
-    """The manifest of the dataset at ``path`` and the bytes it holds. A packed dataset at a
-    URL: its manifest only, nothing else is downloaded. Shards another tool wrote have no
-    manifest: they are read (at a URL: once, into the cache) to count their samples."""
-    from packio.manifest import disk_bytes
-    from packio.remote import is_foreign
-    from packio.urls import is_url, open_reader
-
-    if is_url(path) and not is_foreign(path):
-        from packio.remote.reader import read_manifest
-        from packio.remote.store import Store
-
-        m = read_manifest(Store(path))[1]
-        return m, sum(f.get("bytes") or 0 for f in m.files.values() if isinstance(f, dict))
-    reader = open_reader(path)
-    if is_url(path):  # foreign shards at a URL: the sizes the server gave
-        return reader.manifest, sum(size for size, _ in reader.files.values())
-    if reader.manifest.source.get("foreign"):  # a pattern or a folder of shards: only the shards count
-        return reader.manifest, sum(s.stat().st_size for s in reader.shards)
-    return reader.manifest, disk_bytes(Path(path))
 
 
 def _printable(text: str) -> str:
@@ -143,15 +130,15 @@ def _boxes_counted(m: Any) -> bool:
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
+    from packio.api import describe
+    from packio.errors import is_url, redact
     from packio.manifest import count_text
     from packio.pack.report import describe_history, describe_output
-    from packio.urls import is_url
 
-    m, size = _manifest_and_bytes(a.path)
+    m, size, where = describe(a.path)
     if a.json:
         print(json.dumps({"path": a.path, **json.loads(m.to_json())}, indent=1))
         return 0
-    p = Path(a.path)
     say = lambda text: print(_printable(text))  # noqa: E731  (stored names may hold terminal escapes)
     say(f"path:     {a.path}")
     say(f"format:   {m.format} (layout version {m.version})")
@@ -161,14 +148,15 @@ def _cmd_info(a: argparse.Namespace) -> int:
     if isinstance(parts, list) and all(isinstance(x, dict) for x in parts):
         listed = [f"{x.get('path')} ({count_text(x.get('count'))} samples)" for x in parts[:20]]
         say(f"parts:    {len(parts)}: {', '.join(listed)}{' ...' if len(parts) > 20 else ''}")
-    say(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}")
+    say(f"classes:  {len(m.classes)}: {', '.join(m.classes[:20])}{' ...' if len(m.classes) > 20 else ''}"
+        if m.classes else "classes:  none (no image labels)")
     if m.box_classes:
         bc = m.box_classes
         say(f"boxes:    {len(bc)} classes: {', '.join(bc[:20])}{' ...' if len(bc) > 20 else ''}")
     elif not _boxes_counted(m):  # a dataset without boxes (said once: the census line gives boxes without classes)
         say("boxes:    none")
-    for line in describe_output(p, m):  # a URL: Path() merged its '//'
-        say(line.replace(str(p.parent), a.path.rsplit("/", 1)[0]) if is_url(a.path) else line)
+    for line in describe_output(redact(where), m):  # where the files lie: a folder, or the URL they are served at
+        say(line)
     shape = m.image.get("shape")
     say(f"shape:    {'x'.join(map(str, shape)) if shape else 'as found (varies per image)'}")
     say(f"source:   {m.source.get('path')}" + (f" + {m.source['csv']}" if m.source.get("csv") else ""))
@@ -178,13 +166,34 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
     for line in describe_annotations(m):
         say(line)
-    say(f"skipped:  {json.dumps(m.summary.get('skipped', {}))}")
-    say(f"files:    {len(m.files)} listed with checksums")
+    say(f"skipped:  {_skipped_text(m.summary.get('skipped'))}")
+    say(_checksums_text(m))
     return 0
 
 
+def _skipped_text(skipped: Any) -> str:
+    """``3 (corrupt image data 2, unsupported image type (gif) 1)``, or ``none``."""
+    from packio.manifest import count_text
+
+    if not isinstance(skipped, dict) or not skipped:
+        return "none" if skipped in (None, {}) else "invalid"
+    ok = [n for n in skipped.values() if count_text(n) != "invalid"]
+    listed = ", ".join(f"{why} {count_text(n)}" for why, n in list(skipped.items())[:20])
+    return f"{count_text(sum(ok))} ({listed}{' ...' if len(skipped) > 20 else ''})"
+
+
+def _checksums_text(m: Any) -> str:
+    """What the checksums cover: the files the manifest lists, or (one file, which cannot list
+    its own checksum) every sample's record and the arrays the manifest holds digests of."""
+    digests = m.extra.get("digests")
+    if m.files or not isinstance(digests, dict):
+        return f"files:    {len(m.files)} listed with checksums"
+    return (f"files:    one, holding every checksum (a file cannot list its own): each sample's, and the digests "
+            f"of its {len(digests)} arrays ({', '.join(map(str, list(digests)[:10]))}); 'packio verify' checks them")
+
+
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from packio.urls import verify
+    from packio.api import verify
 
     report = verify(a.path)
     print(report.text())
@@ -197,8 +206,9 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
 
     d = diagnose(a.path, size=a.size, batch_size=a.batch_size, seconds=a.seconds, fraction=a.sample,
                  min_samples=a.min_samples, max_samples=a.max_samples, step_ms=a.step_ms,
-                 gpu_decode_ms=a.gpu_decode_ms, csv=a.csv, work=a.work, keep=a.keep, cgroup_root=a.cgroup_root,
-                 cpus=a.cpus, log=None if a.quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                 gpu_decode_ms=a.gpu_decode_ms, csv=a.csv, csv_columns=a.csv_columns, work=a.work, keep=a.keep,
+                 cgroup_root=a.cgroup_root, cpus=a.cpus,
+                 log=None if a.quiet else lambda m: print(m, file=sys.stderr, flush=True))
     print(doctor_report.text(d))
     if a.report:
         md, png = doctor_report.write(d, a.report)
@@ -257,6 +267,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--gpu-decode-ms", type=_float_in(*R["gpu_decode_ms"]),
                    help="without CUDA: a GPU decode time per batch you declare (labelled as declared)")
     d.add_argument("--csv", help="CSV of annotations, passed on to the packio convert line")
+    d.add_argument("--csv-columns", metavar="MAP", help="map fields to the CSV's columns, as packio convert takes "
+                                                        "it (class=cell_type), passed on to the convert line")
     d.add_argument("--report", metavar="DIR", help="write DIR/doctor.md and DIR/doctor.png")
     d.add_argument("--work", metavar="DIR", help="where to pack the samples (default: the system temp folder)")
     d.add_argument("--keep", action="store_true", help="keep the packed samples")
@@ -338,28 +350,56 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                    help="tar: samples per shard instead of --shards")
     c.add_argument("--shard-bytes", type=_bytes, default=1 << 30, metavar="SIZE",
                    help="tar: a shard ends at this size too, like 512M (default 1G)")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--quiet", action="store_true",
+                   help="no progress bar, and the summary in one line (warnings still on stderr)")
     c.add_argument("--verbose", action="store_true", help="list every skipped input")
     c.set_defaults(fn=_cmd_convert)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
-        from packio.bench import main as bench_main
+    try:
+        rc = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # here, not at exit: a reader gone by now is handled below
+        return rc
+    except BrokenPipeError:  # `packio info x | head -1`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere, without a second error
+        os.close(devnull)
+        return 128 + signal.SIGPIPE  # what `cat` and other tools killed by SIGPIPE report
 
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+
+def _run(argv: list[str]) -> int:
     from packio.errors import PackioError
 
+    with _escaping_output():
+        try:
+            if argv[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
+                from packio.bench import main as bench_main
+
+                return bench_main(argv[1:])
+            args = build_parser().parse_args(argv)
+            return args.fn(args)
+        except PackioError as exc:
+            print(f"packio: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("packio: interrupted; no output was committed", file=sys.stderr)
+            return 130
+
+
+@contextlib.contextmanager
+def _escaping_output() -> Iterator[None]:
+    """stdout and stderr write what they cannot encode as escapes while a command runs:
+    a name's bytes that are not UTF-8 (a lone surrogate in Python) ended a command in a
+    UnicodeEncodeError under a strict UTF-8 locale (en_US.UTF-8)."""
+    streams = [(s, s.errors) for s in (sys.stdout, sys.stderr) if isinstance(s, io.TextIOWrapper)]
+    for stream, _ in streams:
+        stream.reconfigure(errors="backslashreplace")
     try:
-        return args.fn(args)
-    except PackioError as exc:
-        print(f"packio: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("packio: interrupted; no output was committed", file=sys.stderr)
-        return 130
+        yield
+    finally:
+        for stream, errors in streams:
+            stream.reconfigure(errors=errors)
 
 
 if __name__ == "__main__":

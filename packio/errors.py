@@ -1,4 +1,6 @@
-"""packio's exceptions. Every message says what went wrong, where, and what to do."""
+"""packio's exceptions (every message says what went wrong, where, and what to do), and
+the two helpers every message and every edge share about locations: :func:`redact`
+(what a message may print of a URL) and :func:`is_url` (the one test for a URL)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import re
 
 __all__ = ["PackioError", "SourceError", "OutputExistsError", "OutputBusyError", "FormatError", "DatasetReplacedError",
            "CorruptSampleError", "StateError", "RemoteError", "RemoteUnreachableError", "RemoteTimeoutError",
-           "RemoteAccessError", "RemoteNotFoundError", "BucketNotFoundError", "RangeNotSupportedError", "redact"]
+           "RemoteAccessError", "RemoteNotFoundError", "BucketNotFoundError", "RangeNotSupportedError", "is_url",
+           "redact"]
 
 
 class PackioError(Exception):
@@ -79,6 +82,7 @@ class RangeNotSupportedError(RemoteError):
     """The server ignored a byte-range request (answered 200 with the whole object)."""
 
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/\s@'\"]*@")
 _QUERY = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s'\"?#]*)[?#][^\s'\"]*")
 
@@ -87,3 +91,8 @@ def redact(text: object) -> str:
     """``text`` with every URL's user name, password, query string and fragment removed
     (signed URLs carry their tokens in the query): what messages may print."""
     return _QUERY.sub(r"\1", _USERINFO.sub(r"\1", str(text)))
+
+
+def is_url(path: object) -> bool:
+    """True for ``scheme://...`` strings (a ``pathlib.Path`` is always local)."""
+    return isinstance(path, str) and _URL.match(path) is not None

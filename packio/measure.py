@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["batch_len", "cpu_seconds", "Rate", "throughput", "percentile_ms"]
+__all__ = ["batch_len", "cpu_seconds", "Rate", "throughput", "percentile_ms", "OtherLoad"]
 
 
 def batch_len(batch: Any) -> int | None:
@@ -95,3 +95,50 @@ def _rate(batches: int, samples: int, dt: float, cpu: float) -> Rate:
 
 def percentile_ms(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values else float("nan")
+
+
+def _machine_busy() -> tuple[float, int] | None:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat), and its CPUs;
+    None where /proc/stat is absent."""
+    import os
+
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+        v = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError, IndexError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / tick, sum(x[:3] == "cpu" for x in lines) - 1
+
+
+def _own_cpu() -> float:
+    """CPU seconds of this process and of its children it has waited for (theirs included)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class OtherLoad:
+    """How busy other processes kept the machine since this was made: the machine's busy
+    CPU time less this process's and its finished children's, per second of wall time.
+    Read it after the children measured have ended (their CPU time counts once waited for)."""
+
+    def __init__(self) -> None:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _machine_busy(), _own_cpu()
+
+    def cores(self) -> float | None:
+        """CPUs' worth of time the other processes took, on average; None where unknown."""
+        now, dt = _machine_busy(), time.perf_counter() - self.t0
+        if now is None or self.busy0 is None or dt <= 0:
+            return None
+        return max(0.0, (now[0] - self.busy0[0] - (_own_cpu() - self.own0)) / dt)
+
+    def text(self) -> str:
+        """``other processes kept 1.3 of the machine's 2 CPUs busy``, when that is a quarter or
+        more of them (figures then run lower, and vary more, than on a quiet machine); else ""."""
+        cores, cpus = self.cores(), (self.busy0 or (0.0, 0))[1]
+        if cores is None or not cpus or cores < 0.25 * cpus:
+            return ""
+        return f"other processes kept {cores:.1f} of the machine's {cpus} CPUs busy"

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from packio.read.datasets import open_dataset
+from packio.api import open_dataset
 from packio.errors import PackioError
 
 __all__ = ["show", "render"]
@@ -55,6 +55,8 @@ def _name(classes: list[str], label: int) -> str:
 def _text(img: np.ndarray, text: str, org: tuple[int, int], color: tuple[int, int, int], scale: float = 0.4) -> None:
     import cv2
 
+    # OpenCV's fonts draw ASCII only, and a lone surrogate (a name's non-UTF-8 byte) crashed it: escaped
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
     cv2.putText(img, text, org, cv2.FONT_HERSHEY_SIMPLEX, scale, color, 1, cv2.LINE_AA)
 
 

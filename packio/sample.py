@@ -16,7 +16,8 @@ import numpy as np
 from packio import limits
 from packio.errors import CorruptSampleError
 
-__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "is_coord", "Sample", "sample_from_record", "unstorable"]
+__all__ = ["ENCODINGS", "EXTENSIONS", "checksum", "is_coord", "Sample", "sample_from_record", "text_key",
+           "unstorable"]
 
 ENCODINGS = ("jpeg", "png", "bmp", "webp", "raw")
 EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "webp": "webp", "raw": "npy"}
@@ -32,6 +33,18 @@ def checksum(payload: bytes | memoryview | np.ndarray) -> str:
     if isinstance(payload, np.ndarray):
         payload = np.ascontiguousarray(payload).data
     return xxhash.xxh3_64_hexdigest(payload)
+
+
+def text_key(name: str) -> str:
+    """A name as a stored key: text. Bytes that are not UTF-8 (which Python keeps as lone
+    surrogates: a tar member's name, a hostile record's key) become ``\\xNN`` escapes, as
+    no codec, printer or C library takes a lone surrogate."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:  # a byte kept by surrogateescape: \xNN; any other lone surrogate: \uNNNN
+        return "".join(c if not 0xD800 <= ord(c) <= 0xDFFF else f"\\x{ord(c) - 0xDC00:02x}"
+                       if ord(c) >= 0xDC80 else f"\\u{ord(c):04x}" for c in name)
 
 
 @dataclass
@@ -169,7 +182,10 @@ def unstorable(sample: Sample) -> tuple[str, str] | None:
     import msgpack
 
     # Both codecs: tar keeps records as JSON, and a dataset should convert to every format.
-    size = max(len(msgpack.packb(rec, use_bin_type=True)), len(json.dumps(rec, separators=(",", ":")).encode()))
+    try:
+        size = max(len(msgpack.packb(rec, use_bin_type=True)), len(json.dumps(rec, separators=(",", ":")).encode()))
+    except UnicodeEncodeError as exc:  # a lone surrogate in a source record's text (its meta)
+        return "record text is not UTF-8", str(exc)
     if size > limits.MAX_RECORD_BYTES:
         return "record too large", f"{size} bytes, packio's limit is {limits.MAX_RECORD_BYTES}"
     return None

@@ -19,6 +19,30 @@ def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any])
     return throughput(loader, seconds).samples_per_s
 
 
+def _timed_batch(dataset: Any, batch_size: int, seconds: float, cpus: int, verbose: bool) -> int:
+    """The batch size trials time: ``batch_size``, fewer samples when one sample takes so long
+    (huge images) that a batch would outlast a trial, 0 when even two samples would (then
+    nothing is timed). Read from one sample, in this process; iterable datasets: ``batch_size``."""
+    import time
+
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset) or not len(dataset):
+        return batch_size
+    t = time.perf_counter()
+    dataset[0]
+    per = time.perf_counter() - t
+    if batch_size * per / cpus <= seconds:
+        return batch_size
+    timed = int(seconds * cpus / (2 * per)) if 2 * per <= seconds else 0
+    if verbose:
+        print(f"one sample takes {per:.2f} s here: " + (
+            f"trials time batches of {timed} (a batch of {batch_size} would outlast a {seconds:g} s trial)" if timed
+            else f"no setting can be timed in {seconds:g} s trials; num_workers=0 with threads={cpus} (each "
+                 "thread decodes a sample of the batch)"), flush=True)
+    return timed
+
+
 def default_trials(cpus: int) -> list[dict[str, Any]]:
     """Threads vs workers vs both, each using every core: decode threads in the
     training process, ``cpus`` workers, and ``cpus // 2`` workers with 2 threads
@@ -41,7 +65,13 @@ def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list
     passing them on). By default a short plan (:func:`default_trials`: threads vs
     workers vs both); give ``workers``, ``prefetch`` or ``threads`` to try every
     combination of ``num_workers`` × ``prefetch_factor`` (persistent workers) ×
-    decode ``threads`` instead. Bounded time: trials × seconds."""
+    decode ``threads`` instead. Bounded time: trials × seconds, huge images included
+    (trials then time smaller batches, or none when one sample outlasts half a trial)."""
+    from packio.errors import PackioError
+
+    if hasattr(dataset, "__len__") and len(dataset) == 0:  # no batch to time (torch's samplers raise a bare ValueError)
+        where = getattr(getattr(dataset, "reader", None), "path", "the dataset")
+        raise PackioError(f"{where}: holds no samples; nothing to tune. Pack some into it first (packio convert)")
     cpus = os.cpu_count() or 1
     if workers is None and prefetch is None and threads is None:
         trials = default_trials(cpus)
@@ -57,16 +87,20 @@ def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list
             if w:
                 kw.update(prefetch_factor=pf, persistent_workers=True)
             trials.append({**kw, "threads": th})
+    timed = _timed_batch(dataset, batch_size, seconds, cpus, verbose)
+    if not timed:  # one sample outlasts half a trial: no setting can be timed, each thread decodes a sample
+        dataset.threads = cpus
+        return {"num_workers": 0, "threads": cpus}
     results = []
     for trial in trials:
         kw = {k: v for k, v in trial.items() if k != "threads"}
         dataset.threads = trial["threads"]
-        rate = _rate(dataset, batch_size, seconds, kw)
+        rate = _rate(dataset, timed, seconds, kw)
         results.append((rate, trial))
         if verbose:
             print(f"  {rate:9.0f} samples/s  {trial}", flush=True)
     best = max(results, key=lambda r: r[0])
     dataset.threads = best[1]["threads"]
     if verbose:
-        print(f"best: {best[1]} ({best[0]:.0f} samples/s, batch {batch_size})")
+        print(f"best: {best[1]} ({best[0]:.0f} samples/s, batch {timed})")
     return dict(best[1])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from packio.errors import CorruptSampleError, FormatError, PackioError
 from packio.formats import open_reader
-from packio.formats.base import Reader, inside
+from packio.formats.reader import Reader, inside
 from packio.manifest import DIGEST, MANIFEST_NAME, file_digest, trust_manifest
 from packio.decode import check_decode
 from packio.sample import Sample, checksum

@@ -94,6 +94,34 @@ def make_gen_folder(tmp_path: Path) -> tuple[Path, Path]:
 TRUTH: dict[str, dict[str, tuple[str, list[list[float]], list[str]]]] = {}
 
 
+def run_printed_lmdb_lines(info: str) -> list[tuple[bytes, int]]:
+    """Run each ``lmdb.open(...)`` line ``packio info`` printed as a user pastes it, in a fresh
+    Python: per environment, the value of key 0 and the number of entries."""
+    import re
+
+    code = ["import lmdb, sys", "out = []"]
+    for line in re.findall(r"lmdb\.open\(.*?\)", info):
+        code += [f"env = {line}", "txn = env.begin()",
+                 "out.append([bytes(txn.get(b'%010d' % 0)).hex(), txn.stat()['entries']])", "txn.abort()"]
+    code.append("print(repr(out))")
+    r = subprocess.run([sys.executable, "-c", "\n".join(code)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return [(bytes.fromhex(v), n) for v, n in eval(r.stdout)]
+
+
+def relabelled(root: Path, n: int, shift: int) -> Path:
+    """A flat folder ``root`` of ``n`` JPEGs of one size (made once) and a CSV labelling
+    them ``c0``..``c3``; another ``shift`` gives the same images other labels: packed, the
+    same member sizes (a re-pack or re-upload in place that only a record tells apart)."""
+    if not root.is_dir():
+        root.mkdir(parents=True)
+        for k in range(n):
+            (root / f"img{k:03d}.jpg").write_bytes(jpeg(20, 24, seed=k))
+    csv = root.parent / f"labels{shift}.csv"
+    csv.write_text("filename,label\n" + "".join(f"img{k:03d}.jpg,c{(k + shift) % 4}\n" for k in range(n)))
+    return csv
+
+
 def run_child_cases(code: str, args: list[str], timeout: float) -> tuple[dict[str, dict], str | None, str]:
     """Run ``python -c code *args``: a child that prints ``START name`` before each case
     and ``RESULT {json}`` after it. Returns the results by name, the case last started
@@ -255,7 +283,7 @@ LONG_FIRST = (
     "test_docs.py::test_examples_say_what_works_and_warn_of_nothing_on_cpu",
     "test_mix.py::test_one_source_on_s3",
     "test_remote_hostile.py::test_fork_workers_leave_the_parent_and_each_other_clean",
-    "test_cuda_feed.py::test_gpu_check_fails_without_cuda_unless_allowed",
+    "test_benchmarks.py::test_gpu_run_dry_run_on_tiny_data",
     "test_docs.py::test_page_blocks_run[docs/reading.md]",
     "test_remote.py::test_cli_convert_info_verify_a_url",
     "test_worker_batches.py::test_worker_batch_is_made_in_shared_memory",

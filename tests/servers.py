@@ -273,15 +273,26 @@ class _RangeHandler(Quiet, http.server.SimpleHTTPRequestHandler):
             self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
         self.end_headers()
         if body:
-            with open(path, "rb") as f:
-                f.seek(start)
-                left = end - start + 1
-                while left > 0:
-                    chunk = f.read(min(left, 1 << 20))
+            self._body(path, start, end - start + 1)
+
+    def _body(self, path: Path, start: int, left: int) -> None:
+        """``left`` bytes from ``start``; a path in ``server.stalls`` sends half of them,
+        sets its ``reached`` event and waits for its ``release`` event (60 s at most)."""
+        stall = self.server.stalls.get(self.path)  # type: ignore[attr-defined]
+        parts = [left // 2, left - left // 2] if stall is not None else [left]
+        with open(path, "rb") as f:
+            f.seek(start)
+            for k, n in enumerate(parts):
+                if k:
+                    self.wfile.flush()
+                    stall[0].set()
+                    stall[1].wait(60)
+                while n > 0:
+                    chunk = f.read(min(n, 1 << 20))
                     if not chunk:
-                        break
+                        return
                     self.wfile.write(chunk)
-                    left -= len(chunk)
+                    n -= len(chunk)
 
 
 class RangeHTTPServer:
@@ -294,6 +305,7 @@ class RangeHTTPServer:
         self.httpd.daemon_threads = True
         self.httpd.counts = {}  # type: ignore[attr-defined]
         self.httpd.validators = validators  # type: ignore[attr-defined]  # ETag / Last-Modified sent
+        self.httpd.stalls = {}  # type: ignore[attr-defined]  # URL path -> (reached, release) events
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="packio-http", daemon=True)
 
@@ -301,11 +313,20 @@ class RangeHTTPServer:
     def counts(self) -> dict[str, int]:
         return self.httpd.counts  # type: ignore[attr-defined]
 
+    def stall(self, path: str) -> tuple[threading.Event, threading.Event]:
+        """Make GETs of ``path`` (``/ds.wds/shard-000000.tar``) stop halfway: the ``reached``
+        event is set there, and the rest is sent once ``release`` is set (or after 60 s)."""
+        events = (threading.Event(), threading.Event())
+        self.httpd.stalls[path] = events  # type: ignore[attr-defined]
+        return events
+
     def start(self) -> "RangeHTTPServer":
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        for _, release in self.httpd.stalls.values():  # type: ignore[attr-defined]
+            release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(10)

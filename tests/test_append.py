@@ -63,7 +63,6 @@ def test_three_appends_with_new_classes(tmp_path: Path, suffix: str) -> None:
     srcs = [make(tmp_path / tag, classes, 3, tag) for classes, tag in batches]
     ds = tmp_path / f"ds{suffix}"
     packio.convert(srcs[0], ds, progress=False, workers=0)
-    seen = []
     for k, src in enumerate(srcs[1:], 1):
         before = packio.open_reader(ds).manifest.classes
         s = packio.convert(src, ds, append=True, progress=False, workers=0)
@@ -125,7 +124,8 @@ def test_settings_and_names_checked(tmp_path: Path) -> None:
     with pytest.raises(PackioError, match=r"key 'x/a0.png' \(#0\)"):  # the first colliding key named
         packio.convert(a, ds, append=True, progress=False)
     assert (ds / "packio.json").read_bytes() == text and sorted(os.listdir(ds)) == sorted(
-        ["packio.json", "index.npy", *[f for f in os.listdir(ds) if f.endswith(".tar")]])
+        ["packio.json", "index.npy", "record_digests.npy", *[f for f in os.listdir(ds) if f.endswith(".tar")]]
+    )
     s = packio.convert(b, ds, append=True, progress=False, workers=0)  # the stored settings are used
     m = packio.open_reader(ds).manifest
     assert s.manifest.image["encodings"] == {"jpeg": 8} and m.image["quality"] == 80
@@ -200,9 +200,11 @@ def test_second_append_waits_for_the_lock(tmp_path: Path) -> None:
     a, b = make(tmp_path / "a", ["x", "y"], 2, "a"), make(tmp_path / "b", ["x", "y"], 2, "b")
     ds = tmp_path / "ds.wds"
     packio.convert(a, ds, progress=False, workers=0)
+    (tmp_path / "link.wds").symlink_to(ds)  # the same dataset by another name: the same lock
     with output_lock(ds):  # another conversion or append holds it
-        with pytest.raises(OutputBusyError, match="another packio conversion"):
-            packio.convert(b, ds, append=True, progress=False)
+        for name in (ds, tmp_path / "link.wds"):
+            with pytest.raises(OutputBusyError, match="another packio conversion"):
+                packio.convert(b, name, append=True, progress=False)
     assert len(packio.open_reader(ds)) == 4
 
 
@@ -261,3 +263,49 @@ def test_box_class_names_merged_with_stable_ids(tmp_path: Path) -> None:
     got = {s.key: [names[j] for j in s.box_labels] for s in map(r.read, range(len(r))) if len(s.box_labels)}
     assert got == {k: [c] for k, c in truth.items()}
     assert all(r.manifest.classes[s.label] == s.key[0] for s in map(r.read, range(len(r))))
+
+
+def test_append_one_class_folder_as_a_user_types_it(tmp_path: Path) -> None:
+    """``more/`` holding one class folder (one the dataset has, then a new one) is labelled by
+    it, as the dataset's own folders were (issue 38: every appended image got -1)."""
+    from test_cli import run
+
+    ds = tmp_path / "grown.wds"
+    assert run("convert", str(make(tmp_path / "a", ["cat", "dog"], 2, "a")), str(ds), "--quiet").returncode == 0
+    for name, tag in (("cat", "b"), ("bird", "c")):
+        r = run("convert", str(make(tmp_path / tag, [name], 3, tag)), str(ds), "--append", "--quiet")
+        assert r.returncode == 0 and "without a label" not in r.stdout, r.stdout + r.stderr
+    assert packio.open_reader(ds).manifest.classes == ["cat", "dog", "bird"]
+    got = contents(ds)
+    assert len(got) == 10 and all(key.split("/")[0] == name for key, name in got)
+    assert "labels:   cat 5, bird 3, dog 2" in run("info", str(ds)).stdout
+
+
+def test_append_of_unlabelled_images_to_a_labelled_dataset_is_refused(tmp_path: Path) -> None:
+    from test_cli import run
+
+    ds = tmp_path / "grown.wds"
+    packio.convert(make(tmp_path / "a", ["cat", "dog"], 2, "a"), ds, progress=False, workers=0)
+    before = contents(ds)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for p in make(tmp_path / "b", ["cat"], 2, "b").glob("cat/*.png"):
+        p.rename(flat / p.name)
+    r = run("convert", str(flat), str(ds), "--append", "--quiet")
+    assert r.returncode == 2 and "is labelled (classes: cat, dog)" in r.stderr and "class folders" in r.stderr
+    unlabelled = tmp_path / "unlabelled.lmdb"
+    packio.convert(flat, unlabelled, progress=False, workers=0)
+    with pytest.raises(PackioError, match="its samples have no class names"):
+        packio.convert(unlabelled, ds, append=True, progress=False, workers=0)
+    assert contents(ds) == before and len(packio.open_reader(ds).manifest.extra.get("parts", [])) == 0
+
+
+def test_append_one_folder_labelled_by_csv_is_no_class(tmp_path: Path) -> None:
+    """Where a CSV labels the images, their one folder (``JPEGImages/``) names no class."""
+    ds = tmp_path / "grown.lmdb"
+    packio.convert(make(tmp_path / "a", ["cat", "dog"], 1, "a"), ds, progress=False, workers=0)
+    src = make(tmp_path / "b", ["JPEGImages"], 2, "b")
+    (tmp_path / "b.csv").write_text("filename,label\nb0.png,dog\nb1.png,emu\n")
+    packio.convert(src, ds, csv=tmp_path / "b.csv", append=True, progress=False, workers=0)
+    assert packio.open_reader(ds).manifest.classes == ["cat", "dog", "emu"]
+    assert contents(ds)[2:] == [("JPEGImages/b0.png", "dog"), ("JPEGImages/b1.png", "emu")]

@@ -38,7 +38,7 @@ def test_append_key_check_reads_no_sample(tmp_path: Path, monkeypatch: pytest.Mo
         return read
 
     reader = get_format(fmt).reader
-    for name in ("read", "read_many", "read_batch"):
+    for name in ("_load", "_load_batch"):  # the hooks every read of a stored sample goes through
         monkeypatch.setattr(reader, name, refusing(name))
     packio.convert(b, ds, append=True, progress=False, workers=0)  # a single-part dataset grown
     packio.convert(c, ds, append=True, progress=False, workers=0)  # a multi-part one

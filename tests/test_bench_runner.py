@@ -6,6 +6,7 @@ there are and roughly how long they take."""
 from __future__ import annotations
 
 import ast
+import time
 from pathlib import Path
 
 from packio.bench.runner import Progress, limit_key, measure, render, summarise
@@ -89,3 +90,74 @@ def test_a_run_still_above_its_limit_is_a_measurement_error_not_a_ratio():
     assert "measurement error" in line_a and "1.50" not in line_a
     assert "0.90 (L1·1)" in line_b
     assert "**Measurement error:** a (num_workers=0, warm)" in md
+
+
+class FakeChild:
+    """A child runner for a whole bench run: every run and limit at a figure, random access too."""
+
+    def __init__(self) -> None:
+        self.cfgs: list[dict] = []
+
+    def __call__(self, cfg: dict) -> dict:
+        self.cfgs.append(cfg)
+        if cfg["workload"] == "random":
+            return {"p50_us": 30.0, "p99_us": 90.0, "opens_per_sample": 0.01}
+        return {"rate": {"L1": 500.0, "L2": 90000.0}.get(cfg["kind"], 300.0), "batched": 60000.0, "samples": 200,
+                "expected": 200, "opens_per_sample": 0.01, "peak_mb": 200.0, "first_batch_s": 0.1, "cpu_us": 900.0}
+
+
+def test_quick_run_times_each_format_at_its_default_and_prints_no_nan(tmp_path, capsys):
+    """``packio bench --quick``: every packio variant is timed as the README advises, with
+    num_workers=0 and a thread per CPU (arrays were timed at num_workers=1); only the limits a
+    run is compared with are measured, so the report and the chart's legend hold no nan (the
+    chart said 'L1 decode+resize limit, 1 process: nan/s') and no cold-cache entry (none ran)."""
+    from packio.bench.runner import QUICK_FORMATS, Setup, legend, limit_lines, plan, run_all, variants
+
+    packed = {name: {"path": str(tmp_path / name), "format": fmt, "payload": "raw" if "size" in kw.get("resize", {})
+                     else "encoded", "fixed": "size" in kw.get("resize", {}),
+                     "data": "arrays" if "size" in kw.get("resize", {}) else "original", "pack_s": 0.1,
+                     "bytes": 1000, "count": 200}
+              for name, (fmt, kw) in variants(QUICK_FORMATS).items()}
+    setup = Setup(tmp_path / "src", None, "synthetic", [], 1, False, True, 2)
+    limits, runs = plan(packed, setup.workers, True, False, setup.src, None, 2)
+    packio_runs = [c for c in runs if c["kind"] == "packio"]
+    assert {c["path"] for c in packio_runs} == {p["path"] for p in packed.values()}
+    assert all((c["workers"], c.get("threads")) == (0, 2) for c in packio_runs), packio_runs
+    assert [c["workload"] for c in packio_runs if c["path"].endswith("arrays-224")] == ["W2"]
+    child = FakeChild()
+    report = run_all(packed, setup, 0.1, runner=child)
+    measured = {c["kind"] + str(c.get("procs", "")) for c in child.cfgs if c["workload"] == "limit"}
+    assert measured == {"L12", "L2"}  # L1 in 1 process: no run is compared with it, so not measured
+    md = render(report)
+    assert "nan" not in md.lower() and "| arrays-224 + 2 copy threads | W2 | arrays | 0 |" in md, md
+    for data in ("original", "arrays"):
+        sel = [x for x in report["runs"] if x.get("data") == data]
+        labels = [label for label, _ in legend(sel, report, data)]
+        assert labels and not [x for x in labels if "nan" in x or "cold" in x], labels
+        assert all(v == v for _, v, _ in limit_lines(report, data))
+    assert [label for label, _ in legend(sel, report, "arrays")][0] == "num_workers=0, 2 threads in 1 process"
+
+
+def test_other_processes_load_is_measured_and_said():
+    """CPU time another process spends on the machine counts as other load (a child of this
+    process counts as its own once waited for); the report says the machine was busy."""
+    import os
+    import subprocess
+    import sys
+
+    from packio.measure import OtherLoad
+
+    load = OtherLoad()
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        tick, used = os.sysconf("SC_CLK_TCK"), 0.0
+        while used < 0.5:  # until it has burnt half a CPU-second, however busy the machine
+            with open(f"/proc/{burner.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            used = (int(fields[11]) + int(fields[12])) / tick
+        assert load.cores() * (time.perf_counter() - load.t0) >= 0.45
+    finally:
+        burner.kill()
+        burner.wait()
+    md = render({**_report([]), "busy": "other processes kept 1.5 of the machine's 2 CPUs busy"})
+    assert "**Busy machine:** other processes kept 1.5 of the machine's 2 CPUs busy while this ran" in md

@@ -39,6 +39,11 @@ def test_unmapped_class_column_warns_and_names_it(tmp_path, capsys):
     want = "warning:  every box has label -1 (no class): did you mean `--csv-columns class=cell_type`?"
     assert "boxes:    15 on 5 images; classes: -1 (no class) 15" in s.text() and want in s.text(), s.text()
     assert want in _info(tmp_path / "a.lmdb", capsys)
+    args = ["--csv", str(table), "--csv-columns", ",".join(f"{k}={v}" for k, v in cols.items()), "--quiet"]
+    assert main(["convert", str(flat), str(tmp_path / "q.lmdb"), *args]) == 0  # one line, the warning still said
+    out = capsys.readouterr()
+    assert len(out.out.splitlines()) == 1 and "packio: warning: every box has label -1 (no class): did you mean " \
+        "`--csv-columns class=cell_type`?" in out.err, out
     s = packio.convert(flat, tmp_path / "b.lmdb", csv=table, columns={**cols, "class": "cell_type"}, progress=False)
     assert "classes: WBC 9, RBC 6" in s.text() and "warning" not in s.text(), s.text()
     out = _info(tmp_path / "b.lmdb", capsys)

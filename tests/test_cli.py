@@ -184,3 +184,114 @@ def test_info_of_hostile_numbers_says_invalid_and_never_crashes(tmp_path, capsys
             if where in COUNTS and not valid and value is not None:  # None: a line may be left out, as for 0
                 # shown as invalid, or the dataset refused as damaged
                 assert "invalid" in out if rc == 0 else not out, (where, value, out)
+
+
+def _dump(path: Path) -> list[tuple]:
+    r = __import__("packio").open_reader(path)
+    return [(s.key, s.label, s.boxes.tolist(), s.box_labels.tolist()) for s in map(r.read, range(len(r)))]
+
+
+def test_a_csv_from_a_pipe_or_fifo_is_read_once(gen_folder, tmp_path):
+    """``--csv <(zcat boxes.csv.gz)`` as a user types it (issue 38: refused as 'not a regular
+    file'), and a FIFO given to an append: packed as from the file, the copy removed."""
+    import gzip
+    import os
+    import threading
+
+    import packio
+
+    src, csv = gen_folder
+    (tmp_path / "boxes.csv.gz").write_bytes(gzip.compress(csv.read_bytes()))
+    r = subprocess.run(["bash", "-c", 'exec "$0" -m packio convert "$1" "$2" --csv <(zcat "$3") --quiet',
+                        sys.executable, src, tmp_path / "piped.lmdb", tmp_path / "boxes.csv.gz"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    packio.convert(src, tmp_path / "file.lmdb", csv=csv, progress=False, workers=0)
+    assert _dump(tmp_path / "piped.lmdb") == _dump(tmp_path / "file.lmdb")
+    assert packio.open_reader(tmp_path / "piped.lmdb").manifest.source["csv"].startswith("/dev/fd/")
+    (tmp_path / "more" / "cats").mkdir(parents=True)
+    (tmp_path / "more" / "cats" / "new.jpg").write_bytes((src / "cats" / "cats_01.jpg").read_bytes())
+    os.mkfifo(tmp_path / "more.csv")
+
+    def feed() -> None:
+        with open(tmp_path / "more.csv", "w") as f:
+            f.write("filename,class,xmin,ymin,xmax,ymax\nnew.jpg,box_cats,1,2,8,9\n")
+
+    threading.Thread(target=feed, daemon=True).start()
+    s = packio.convert(tmp_path / "more", tmp_path / "piped.lmdb", csv=tmp_path / "more.csv", append=True,
+                       progress=False, workers=0)
+    assert s.packed == 1 and _dump(tmp_path / "piped.lmdb")[-1][1:] == (0, [[1.0, 2.0, 8.0, 9.0]], [0])
+    assert sorted(p.name for p in tmp_path.iterdir() if "packio-tmp" in p.name) == []
+
+
+def test_printed_lmdb_lines_open_every_part(gen_folder, tmp_path, capsys):
+    """The ``lmdb.open(...)`` lines of ``packio info``, pasted as printed, open the data: one
+    environment for a single part; one per part, holding every sample, once a conversion has
+    grown by ``--append`` (the line printed before opened the first part only)."""
+    from conftest import run_printed_lmdb_lines
+
+    import packio
+    from packio.cli import main
+    from packio.formats.base import payload_bytes
+
+    import shutil
+
+    src, _ = gen_folder
+    more = tmp_path / "more"
+    shutil.copytree(src, more)
+    for f in [f for f in more.rglob("*") if f.is_file()]:
+        f.rename(f.with_name("more-" + f.name))  # keys of their own
+    ds = tmp_path / "d.lmdb"
+    packio.convert(src, ds, progress=False)
+    for n_parts in (1, 2):
+        assert main(["info", str(ds)]) == 0
+        envs = run_printed_lmdb_lines(capsys.readouterr().out)
+        data = packio.open_dataset(ds, decode=False)
+        assert len(envs) == n_parts and sum(n for _, n in envs) == len(data) == 14 * n_parts
+        starts = [0, 14][:n_parts]  # key 0 of each part: that part's first sample, its image bytes last
+        assert [v.endswith(payload_bytes(data.sample(i))) for (v, _), i in zip(envs, starts)] == [True] * n_parts
+        if n_parts == 1:
+            packio.convert(more, ds, append=True, progress=False)
+
+
+def test_info_into_a_closed_pipe_exits_quietly(gen_folder, tmp_path):
+    """``packio info x | head -1``: the reader leaves early; packio stops without a traceback,
+    with the status of a tool ended by SIGPIPE (it was a BrokenPipeError traceback)."""
+    import packio
+
+    src, _ = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", progress=False)
+    p = subprocess.Popen([sys.executable, "-m", "packio", "info", str(tmp_path / "d.lmdb")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()  # no reader left before packio writes a line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
+def test_info_of_box_only_data_and_hdf5_says_what_is_there(gen_folder, tmp_path, capsys):
+    """No image labels: ``classes:  none`` (it printed ``classes:  0: ``); nothing skipped:
+    ``skipped:  none`` (raw JSON before); an HDF5 file: where its checksums are (it printed
+    ``files:    0 listed with checksums``)."""
+    from conftest import jpeg
+
+    import packio
+    from packio.cli import main
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(3):
+        (flat / f"r{i}.jpg").write_bytes(jpeg(20, 24, seed=i))
+    (flat / "x.gif").write_bytes(b"GIF89a" + b"\x00" * 40)
+    (tmp_path / "b.csv").write_text("filename,class,xmin,ymin,xmax,ymax\n" + "".join(
+        f"r{i}.jpg,raccoon,1,2,10,12\n" for i in range(3)))
+    for name in ("b.h5", "b.lmdb"):
+        packio.convert(flat, tmp_path / name, csv=tmp_path / "b.csv", progress=False)
+        assert main(["info", str(tmp_path / name)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        lines = {x.split(":", 1)[0]: x for x in out if x and not x.startswith(" ")}
+        assert lines["classes"] == "classes:  none (no image labels)" and "raccoon" in lines["boxes"]
+        assert lines["skipped"] == "skipped:  1 (unsupported image type (gif) 1)"
+        assert lines["files"] == ("files:    1 listed with checksums" if name.endswith("lmdb") else
+                                  "files:    one, holding every checksum (a file cannot list its own): each "
+                                  "sample's, and the digests of its 7 arrays (offsets, labels, boxes, box_labels, "
+                                  "box_offsets, records, record_offsets); 'packio verify' checks them")

@@ -235,3 +235,42 @@ def test_map_style_fork_after_parent_read(packed):
     ds = packio.open_dataset(path, decode=False)
     ds[len(ds) - 1]
     assert sorted(_loader_indices(ds, workers=2, ctx="fork")) == list(range(len(ds)))
+
+
+def test_the_reader_contract_is_declared_not_wrapped():
+    """Every reader (the registry's, multi-part, remote tar) keeps the public doors of
+    formats/reader.py as written there (a format implements hooks, never read / read_batch
+    / key) and declares its capabilities; nothing wraps a subclass behind its back."""
+    from packio.formats.parts import MultiPartReader
+    from packio.formats.reader import Reader
+    from packio.remote.reader import RemoteTarReader
+
+    for cls in {spec.reader for spec in SPECS.values()} | {MultiPartReader, RemoteTarReader}:
+        assert [n for n in ("read", "read_batch", "key") if getattr(cls, n) is not getattr(Reader, n)] == [], cls
+        assert isinstance(cls.reads_batches, bool) and isinstance(cls.streams, bool), cls
+    assert "__init_subclass__" not in Reader.__dict__
+    assert RemoteTarReader.streams and RemoteTarReader.reads_batches and not SPECS["tar"].reader.streams
+
+
+def test_a_replaced_dataset_sticks_and_one_bad_sample_stays_in_place(request, packed_once, monkeypatch):
+    """read_batch puts one sample's damage in its place; a DatasetReplacedError is no
+    sample's damage: the batch raises it, and so does every later call."""
+    _registered(request, "toy")
+    reader = packio.open_reader(packed_once("toy").output)
+    load = type(reader)._load
+
+    def failing(self, i):
+        if i == 1:
+            raise packio.CorruptSampleError(f"#{i}", "bad")
+        if i == 2:
+            raise packio.DatasetReplacedError("replaced")
+        return load(self, i)
+
+    monkeypatch.setattr(type(reader), "_load", failing)
+    got = reader.read_batch([0, 1, 3]).samples
+    assert isinstance(got[1], packio.CorruptSampleError) and got[0].key and got[2].key
+    with pytest.raises(packio.DatasetReplacedError):
+        reader.read_batch([0, 2, 3])
+    for call in (lambda: reader.read(0), lambda: reader.key(3), lambda: reader.read_batch([0])):
+        with pytest.raises(packio.DatasetReplacedError, match="replaced"):
+            call()

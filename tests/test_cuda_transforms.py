@@ -133,8 +133,8 @@ def test_box_twin_equals_numpy_geometry():
     assert bool((kept.boxes[:, 2] >= kept.boxes[:, 0]).all())
 
 
-def test_transform_boxes_match_the_pixels():
-    """Draw a bright box on a dark image, transform, and look where the returned box says."""
+def box_images(device="cpu"):
+    """24 dark images of random sizes, each with one bright box, and the boxes."""
     rng = np.random.default_rng(1)
     imgs, boxes = [], []
     for k in range(24):
@@ -143,11 +143,20 @@ def test_transform_boxes_match_the_pixels():
         x1, y1 = int(rng.integers(x0 + 8, w + 1)), int(rng.integers(y0 + 8, h + 1))
         img = torch.zeros(3, h, w, dtype=torch.uint8)
         img[:, y0:y1, x0:x1] = 255
-        imgs.append(img)
+        imgs.append(img.to(device))
         boxes.append(torch.tensor([[x0, y0, x1, y1]], dtype=torch.float32))
-    tf = GPUTransform(size=(64, 64), train=True, mean=(0, 0, 0), std=(1, 1, 1), crop_scale=(0.1, 1.0),
-                      generator=torch.Generator().manual_seed(3))
-    out = tf({"image": imgs, "boxes": boxes, "box_labels": [torch.tensor([k]) for k in range(24)]})
+    return imgs, boxes
+
+
+def box_transform():
+    return GPUTransform(size=(64, 64), train=True, mean=(0, 0, 0), std=(1, 1, 1), crop_scale=(0.1, 1.0),
+                        generator=torch.Generator().manual_seed(3))
+
+
+def test_transform_boxes_match_the_pixels():
+    """Draw a bright box on a dark image, transform, and look where the returned box says."""
+    imgs, boxes = box_images()
+    out = box_transform()({"image": imgs, "boxes": boxes, "box_labels": [torch.tensor([k]) for k in range(24)]})
     x, p = out["image"], out["boxes"]
     assert x.shape == (24, 3, 64, 64) and bool(out["flip"].any()) and not bool(out["flip"].all())
     kept = 0
@@ -169,6 +178,21 @@ def test_transform_boxes_match_the_pixels():
         if outside.any():
             assert float(bright[outside].max()) < 0.02
     assert 4 <= kept < 24
+
+
+@cuda
+def test_transform_boxes_on_cuda_equal_the_cpu():
+    """The same batch through GPUTransform on the GPU and on the CPU (the same host generator, so the same
+    windows and flips): pixels, boxes, labels and keep agree."""
+    labels = [torch.tensor([k]) for k in range(24)]
+    want = box_transform()({"image": box_images()[0], "boxes": box_images()[1], "box_labels": labels})
+    got = box_transform()({"image": box_images("cuda")[0], "boxes": box_images()[1], "box_labels": labels})
+    assert got["image"].is_cuda and got["boxes"].boxes.is_cuda
+    assert torch.equal(got["crop"].cpu(), want["crop"]) and torch.equal(got["flip"].cpu(), want["flip"])
+    torch.testing.assert_close(got["image"].cpu(), want["image"], atol=1e-3, rtol=0)
+    torch.testing.assert_close(got["boxes"].boxes.cpu(), want["boxes"].boxes, atol=1e-4, rtol=1e-5)
+    for name in ("labels", "image", "keep"):
+        assert torch.equal(getattr(got["boxes"], name).cpu(), getattr(want["boxes"], name)), name
 
 
 def test_gpu_transform_decodes_bytes_and_evaluates():

@@ -53,6 +53,11 @@ def test_local_cluster_matches_single_process(cluster, tmp_path, suffix):
     assert dist.packed == single.packed == 397 and dist.skipped == single.skipped
     m = packio.open_reader(tmp_path / f"dist{suffix}").manifest
     assert len(m.extra["parts"]) == 5 and sum(p["count"] for p in m.extra["parts"]) == 397
+    part = tmp_path / f"dist{suffix}" / m.extra["parts"][1]["path"]
+    assert [p["id"] for p in m.extra["parts"]] == [
+        packio.open_reader(tmp_path / f"dist{suffix}" / p["path"]).manifest.id for p in m.extra["parts"]]
+    with pytest.raises(packio.PackioError, match=f"is part 2 of the dataset {tmp_path / f'dist{suffix}'}"):
+        packio.convert(tmp_path / f"single{suffix}", part, overwrite=True, progress=False)  # h5: a file part
     _same(tmp_path / f"single{suffix}", tmp_path / f"dist{suffix}")
     assert packio.verify(tmp_path / f"dist{suffix}").ok
     it = packio.open_dataset(tmp_path / f"dist{suffix}", iterable=True, decode=False, shuffle=True,
@@ -120,7 +125,7 @@ def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
     c, _ = cluster
     src, csv = gen_folder
     r = subprocess.run([sys.executable, "-m", "packio", "convert", str(src), str(tmp_path / "o.wds"), "--csv",
-                        str(csv), "--scheduler", c.scheduler_address, "--parts", "3", "--quiet"],
+                        str(csv), "--scheduler", c.scheduler_address, "--parts", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "packed 14 samples" in r.stdout and len(list((tmp_path / "o.wds").glob("part-*.wds"))) == 3
@@ -138,3 +143,19 @@ def test_cli_scheduler_address(cluster, gen_folder, tmp_path):
     r = packio.open_reader(tmp_path / "o.wds")
     assert sorted(key for _, key in got) == sorted(r.read(i).key for i in range(len(r)))
 
+
+
+def test_info_lmdb_lines_of_dask_parts_open_every_part(cluster, gen_folder, tmp_path, capsys):
+    """A Dask conversion keeps its data in part-0000N.lmdb/ only: the lines ``packio info``
+    prints open each part, holding every sample (the one line printed before failed: no
+    data.mdb in the top folder)."""
+    from conftest import run_printed_lmdb_lines
+
+    from packio.cli import main
+
+    _, client = cluster
+    src, _ = gen_folder
+    packio.convert(src, tmp_path / "d.lmdb", scheduler=client, parts=3, progress=False)
+    assert main(["info", str(tmp_path / "d.lmdb")]) == 0
+    envs = run_printed_lmdb_lines(capsys.readouterr().out)
+    assert len(envs) == 3 and sum(n for _, n in envs) == 14

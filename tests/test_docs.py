@@ -103,6 +103,9 @@ def test_readme_is_a_front_door():
     assert langs.count("python") >= 10 and langs.count("bash") >= 10  # the pattern finds the blocks
     skipped = sum(s for p in PAGES for _, _, s in blocks(p))
     assert skipped <= SKIP_BUDGET, f"{skipped} blocks are marked not to run: run them, or keep the few that must not"
+    # shared files are cited as a reader of the project finds them: ../shared/..., beside the checkout
+    absolute = [(p, m) for p in PAGES for m in re.findall(r"/work/\S*", (ROOT / p).read_text())]
+    assert not absolute, f"cite shared files as ../shared/...: {absolute}"
 
 
 def test_a_failing_block_fails(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ def hym_wds(tmp_path_factory) -> tuple[Path, Path, str]:
     """hymenoptera packed as a user would: `packio convert SRC h.wds`; (src, dst, printed pattern)."""
     src = shared("hymenoptera") / "hymenoptera_data"
     dst = tmp_path_factory.mktemp("hym") / "h.wds"
-    r = cli("convert", str(src), str(dst), "--quiet")
+    r = cli("convert", str(src), str(dst))
     assert r.returncode == 0, r.stderr
     m = re.search(r"^shards:\s+\d+ × ~\d+ samples: (\S+)$", r.stdout, re.M)
     assert m, r.stdout
@@ -219,3 +219,30 @@ def test_example_refuses_unlabeled_data(tmp_path):
                         "--steps", "2", "--device", "cpu", "--workers", "0", "--size", "16"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "has an image label" in r.stderr and "loss=" not in r.stdout, (r.stdout, r.stderr)
+
+
+def test_enlarging_resize_and_unlabelled_folder_are_said(tmp_path):
+    """128-px photos packed with ``--short-side 256`` are enlarged (4 x the pixels, a far larger
+    dataset): the summary warns, naming the option, and so does ``--quiet``, which otherwise
+    prints one line (it printed the whole summary). A flat folder packed without ``--csv`` has
+    no labels: the summary says how to give them."""
+    from packio.pack.prepare import ENLARGED
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(3):
+        (flat / f"p{i}.jpg").write_bytes(jpeg(128, 160 + 200 * (i == 2), seed=i))
+    (flat / "big.jpg").write_bytes(jpeg(300, 400, seed=9))  # shrunk, not enlarged
+    s = packio.convert(flat, tmp_path / "s.bmpdir", resize=packio.ResizeSpec(short_side=256), progress=False)
+    assert s.info["notes"] == {ENLARGED: 3}
+    warning = "warning:  3 of 4 images are smaller than --short-side 256 asks and were enlarged"
+    hint = "hint:     no image has a label"
+    assert warning in s.text() and hint in s.text() and "--csv FILE" in s.text(), s.text()
+    r = cli("convert", str(flat), str(tmp_path / "q.bmpdir"), "--short-side", "256", "--quiet")
+    assert r.returncode == 0 and r.stdout.splitlines() == [
+        f"packed 4 samples into {tmp_path / 'q.bmpdir'} (bmp, {s.bytes / 1e6:.1f} MB) in "
+        f"{r.stdout.split(' in ')[-1].split(' s,')[0]} s, skipped 0"], r.stdout
+    assert "packio: warning: 3 of 4 images" in r.stderr and "packio: hint: no image has a label" in r.stderr
+    small = packio.convert(flat, tmp_path / "t.lmdb", resize=packio.ResizeSpec(short_side=64), progress=False)
+    labelled = packio.convert(tmp_path / "s.bmpdir", tmp_path / "u.lmdb", progress=False)  # a packed source
+    assert not small.info["notes"] and "warning" not in small.text() and "hint" not in labelled.text()

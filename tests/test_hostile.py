@@ -78,14 +78,14 @@ for case in json.load(open(sys.argv[1])):
             f.write("5")  # reset the peak resident size
     except OSError:
         pass
-    before, t0 = status("VmRSS:"), time.perf_counter()
+    before, t0 = status("VmRSS:"), time.process_time()  # CPU time: the work done, whatever else the machine runs
     out = {"name": case["name"]}
     try:
         out["value"] = act(case)
     except BaseException as exc:
         out.update(error=type(exc).__name__, packio=isinstance(exc, PackioError), msg=str(exc)[:600],
                    tb=traceback.format_exc()[-1500:])
-    out.update(seconds=time.perf_counter() - t0, growth_mb=status("VmHWM:") - before)
+    out.update(cpu_s=time.process_time() - t0, growth_mb=status("VmHWM:") - before)
     print("RESULT", json.dumps(out, default=str), flush=True)
 """
 
@@ -104,17 +104,17 @@ def run_cases(cases: list[dict], tmp: Path, timeout: float = 300) -> dict[str, d
 
 
 def expect(r: dict, error: str, pattern: str) -> None:
-    """A packio error of this class and message, in bounded time and memory."""
+    """A packio error of this class and message, in bounded work (CPU time) and memory."""
     import re
 
     assert r.get("error") == error and r.get("packio"), r
     assert re.search(pattern, r["msg"]), r
-    assert r["seconds"] < 60 and r["growth_mb"] < MAX_GROWTH_MB, r
+    assert r["cpu_s"] < 60 and r["growth_mb"] < MAX_GROWTH_MB, r
 
 
 def bounded(r: dict) -> None:
     assert "error" not in r, r
-    assert r["seconds"] < 60 and r["growth_mb"] < MAX_GROWTH_MB, r
+    assert r["cpu_s"] < 60 and r["growth_mb"] < MAX_GROWTH_MB, r
 
 
 # ---------------------------------------------------------------- fixtures: small real datasets
@@ -689,7 +689,7 @@ def test_hdf5_cut_under_an_open_reader_is_an_error_not_zeros(gen_folder, tmp_pat
 def test_check_decode_from_the_command_line(damaged_folder, tmp_path, capsys):
     from packio.cli import main
 
-    assert main(["convert", str(damaged_folder), str(tmp_path / "o.lmdb"), "--check", "decode", "--quiet"]) == 0
+    assert main(["convert", str(damaged_folder), str(tmp_path / "o.lmdb"), "--check", "decode"]) == 0
     out = capsys.readouterr()
     assert "packed 1 samples" in out.out and "2  corrupt image data" in out.out, out
     assert packio.open_dataset(tmp_path / "o.lmdb").reader.manifest.image["check"] == "decode"

@@ -9,7 +9,6 @@ import csv
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack

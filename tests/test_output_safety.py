@@ -4,19 +4,23 @@ that the dataset they hold was replaced."""
 
 from __future__ import annotations
 
+import functools
 import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
 import pytest
+import torch
 
 import packio
-from conftest import jpeg
+from conftest import jpeg, relabelled
 from packio.errors import DatasetReplacedError, OutputBusyError, OutputExistsError, PackioError
 from packio.formats import formats
 from packio.sample import checksum
@@ -256,3 +260,45 @@ def test_readers_notice_a_replaced_dataset(real_folder, other_folder, tmp_path, 
     with pytest.raises(DatasetReplacedError):  # not a corrupt sample to skip: every sample would be
         skipping[0]
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def _open_then_wait(ready: Any, go: Any, worker: int) -> None:
+    """worker_init_fn: open the reader in this worker (sample 0: shard 0), then wait."""
+    torch.utils.data.get_worker_info().dataset.reader.read(0)
+    ready.release()
+    go.wait(60)
+
+
+def test_wds_repacked_under_two_workers_hands_out_no_new_sample(tmp_path):
+    """Issue 37: a .wds re-packed with --overwrite (same images, same member sizes, other
+    labels) while a 2-worker DataLoader streams it. Each worker opened the old version;
+    the shards it opens afterwards are the new one's: the batches handed out are the old
+    version's, then DatasetReplacedError; never a record of the new version."""
+    n, src = 32, tmp_path / "images"
+    dst = tmp_path / "ds.wds"
+    packio.convert(src, dst, csv=relabelled(src, n, 0), shard_samples=8, progress=False, workers=0)
+    old = packio.open_reader(dst)
+    truth = [(s.key, s.label, s.checksum) for s in map(old.read, range(n))]
+    fork = torch.multiprocessing.get_context("fork")
+    ready, go = fork.Semaphore(0), fork.Event()
+    ds = packio.open_dataset(dst, iterable=True, decode=False)
+    loader = packio.DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=fork,
+                               worker_init_fn=functools.partial(_open_then_wait, ready, go))
+    batches, got = iter(loader), []
+
+    def take() -> None:  # the loader's workers start with its first batch
+        try:
+            for batch in batches:
+                got.extend(zip(batch["index"].tolist(), batch["key"], batch["label"].tolist(),
+                               map(checksum, batch["image"])))
+        except Exception as exc:  # noqa: BLE001 - asserted on below
+            got.append(exc)
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    assert ready.acquire(timeout=60) and ready.acquire(timeout=60)  # both workers hold the old version
+    packio.convert(src, dst, csv=relabelled(src, n, 1), shard_samples=8, overwrite=True, progress=False, workers=0)
+    go.set()
+    taker.join(120)
+    assert got and isinstance(got[-1], DatasetReplacedError), got[-1:]
+    assert all((key, label, digest) == truth[i] for i, key, label, digest in got[:-1]), got

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import sealed
+from conftest import relabelled, sealed
 
 import packio
 from packio import decode as dec
-from packio.errors import FormatError, OutputExistsError, RemoteError, SourceError
+from packio.errors import DatasetReplacedError, FormatError, OutputExistsError, RemoteError, SourceError
 from packio.formats import formats
 
 pytest.importorskip("fsspec", reason="remote tests need packio[remote]")
@@ -97,9 +97,60 @@ def test_tar_over_http_range_reads(gen_folder, tmp_path, http_server):
     stream = packio.open_dataset(url, iterable=True, shuffle=True, seed=3, cache_dir=tmp_path / "cache",
                                  decode=False)
     keys = [x["key"] for x in stream]
-    assert sorted(keys) == sorted(s.key for s in local.reader.read_many(list(range(14))))
+    assert sorted(keys) == sorted(s.key for s in local.reader.read_batch(range(14)).samples)
     cached = sorted(p.name for p in (tmp_path / "cache").rglob("shard-*.tar"))
     assert cached == [f"shard-00000{i}.tar" for i in range(4)]
+
+
+def test_map_style_reads_after_an_in_place_reupload_raise(tmp_path, http_server):
+    """Issue 38: a .wds served as a folder over HTTP, re-uploaded in place with identical
+    sizes (the same images under other labels: each new record's checksum matches its new
+    image). The reader opened before checks each record read by range against the digest
+    its index holds: DatasetReplacedError, and no sample of the new upload under the old
+    class names."""
+    src, dst, n = tmp_path / "images", http_server.root / "f.wds", 15
+    packio.convert(src, dst, csv=relabelled(src, n, 0), shard_samples=4, progress=False, workers=0)
+    sizes = {p.name: p.stat().st_size for p in dst.iterdir()}
+    truth = [(s.key, s.label, s.checksum) for s in map(packio.open_reader(dst).read, range(n))]
+    reader = packio.open_reader(f"{http_server.url}/f.wds", cache_dir=tmp_path / "cache")
+    assert reader.read(0).key == truth[0][0]
+    packio.convert(src, dst, csv=relabelled(src, n, 1), shard_samples=4, overwrite=True, progress=False, workers=0)
+    assert {p.name: p.stat().st_size for p in dst.iterdir()} == sizes  # the same bytes but the records'
+    got = []
+    with pytest.raises(DatasetReplacedError, match="replaced"):
+        for s in map(reader.read, range(n)):
+            got.append((s.key, s.label, s.checksum))
+    assert got == truth[:len(got)]
+    with pytest.raises(DatasetReplacedError):  # and every later read: nothing is read sample by sample
+        reader.read_batch(range(n))
+
+
+def test_info_prints_shard_addresses_webdataset_opens(gen_folder, tmp_path, http_server, bucket, s3_server, capsys):
+    """Issue 41: `packio info URL` printed shard addresses that answer 404 (over HTTP the
+    dataset's folder dropped, on S3 the upload's v-VERSION folder missing). The addresses
+    printed for a local, an HTTP and an S3 dataset are fetched and open with webdataset."""
+    import fsspec
+    import webdataset as wds
+    from braceexpand import braceexpand
+
+    from packio.cli import main
+
+    src, csv = gen_folder
+    kw = dict(csv=csv, shard_samples=4, progress=False, workers=0)
+    local = packio.convert(src, tmp_path / "f17.wds", **kw).output
+    packio.convert(src, http_server.root / "f17.wds", **kw)
+    packio.convert(src, f"s3://{bucket}/f17.wds", **kw)
+    want = sorted(packio.open_reader(local).key(i) for i in range(14))
+    for k, path in enumerate([local, f"{http_server.url}/f17.wds", f"s3://{bucket}/f17.wds"]):
+        assert main(["info", path]) == 0
+        pattern = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("shards:"))
+        shards = []
+        for j, address in enumerate(braceexpand(pattern.rsplit(": ", 1)[1])):
+            with fsspec.open(address, "rb") as f:  # a 404 fails here
+                shards.append(tmp_path / f"got{k}-{j}.tar")
+                shards[-1].write_bytes(f.read())
+        got = [json.loads(s["json"])["key"] for s in wds.WebDataset([str(p) for p in shards], shardshuffle=False)]
+        assert sorted(got) == want, path
 
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
@@ -115,8 +166,8 @@ def test_dataloader_two_workers_exactly_once_one_download_per_shard(ctx, tar_pai
         assert sorted(k for k, _ in got) == sorted(want)  # every sample exactly once
         assert all(want[k] == v for k, v in got)
     # the server's own count (HEADs count as GETs; s3fs HEADs each object it opens): manifest + the upload's
-    # marker (HEAD) + index + each of the 5 shards, once, for two workers and two epochs
-    assert s3_server.gets(bucket) - before == 2 + 1 + 2 * (1 + 5)
+    # marker (HEAD) + index + record digests + each of the 5 shards, once, for two workers and two epochs
+    assert s3_server.gets(bucket) - before == 2 + 1 + 2 * (2 + 5)
 
 
 def test_resume_mid_epoch(tar_pair):
@@ -152,10 +203,10 @@ def test_two_ranks_split_the_epoch_like_local_data(tar_pair):
 def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
     url, local, cache = tar_pair
     stream = packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False)
-    stream.reader.prefetch = 1
+    stream.reader.source.prefetch = 1
     it = iter(packio.DataLoader(stream, batch_size=3))
     next(it)  # shard 0 read; at most shard 1 prefetched
-    sub = stream.reader.store.url.rsplit("/", 1)[1]  # the upload's folder, v-VERSION
+    sub = stream.reader.files_at.rsplit("/", 1)[1]  # the upload's folder, v-VERSION
     s3_server.client().delete_object(Bucket=bucket, Key=f"sets/ds.wds/{sub}/shard-000004.tar")
     with pytest.raises(RemoteError, match=rf"s3://{bucket}/sets/ds.wds/{sub}/shard-000004.tar: not found"):
         for _ in it:
@@ -165,7 +216,7 @@ def test_shard_deleted_mid_epoch_names_the_url(tar_pair, bucket, s3_server):
 def test_corrupted_object_is_a_checksum_error(tar_pair, bucket, s3_server):
     url, local, cache = tar_pair
     client = s3_server.client()
-    sub = packio.open_dataset(url, cache_dir=cache).reader.store.url.rsplit("/", 1)[1]
+    sub = packio.open_dataset(url, cache_dir=cache).reader.files_at.rsplit("/", 1)[1]
     key = f"sets/ds.wds/{sub}/shard-000002.tar"
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
@@ -185,11 +236,11 @@ def test_cache_eviction_under_a_small_limit(tar_pair):
     limit = int(max(sizes) * 3.5)  # room for 3 shards and the index, not for all 5 shards
     # a reader in this process is in the middle of shard 0: it must survive every eviction
     holder = packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False)
-    holder.reader.prefetch = 0
+    holder.reader.source.prefetch = 0
     held = iter(packio.DataLoader(holder, batch_size=2))
     keys_held = list(next(held)["key"])
     stream = packio.open_dataset(url, iterable=True, cache_dir=cache, cache_limit=limit, decode=False)
-    stream.reader.prefetch = 1
+    stream.reader.source.prefetch = 1
     usage, keys = [], []
     for batch in packio.DataLoader(stream, batch_size=3):
         keys += batch["key"]
@@ -214,13 +265,14 @@ deadline = time.monotonic() + 60
 while not go.exists() and time.monotonic() < deadline:
     time.sleep(0.01)
 r.plan(np.arange(len(r)))
-print(json.dumps({s.key: checksum(s.payload) for s in r.read_many(list(range(len(r))))}))
+print(json.dumps({s.key: checksum(s.payload) for s in r.read_batch(range(len(r))).samples}))
 """
 
 
 def test_two_processes_share_one_cache(tar_pair, bucket, s3_server, tmp_path):
     url, local, cache = tar_pair
-    want = {s.key: s.checksum for s in packio.open_dataset(local, decode=False).reader.read_many(list(range(14)))}
+    stored = packio.open_dataset(local, decode=False).reader.read_batch(range(14)).samples
+    want = {s.key: s.checksum for s in stored}
     before = s3_server.gets(bucket)
     go = tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, url, str(cache), str(go)], stdout=subprocess.PIPE,
@@ -232,8 +284,8 @@ def test_two_processes_share_one_cache(tar_pair, bucket, s3_server, tmp_path):
         assert p.returncode == 0, err
         assert json.loads(out) == want
     # the server's own count: each process read the manifest (HEAD + GET) and found the upload's marker (HEAD);
-    # the index and 5 shards came once
-    assert s3_server.gets(bucket) - before == 2 * 3 + 2 * (1 + 5)
+    # the index, the record digests and 5 shards came once
+    assert s3_server.gets(bucket) - before == 2 * 3 + 2 * (2 + 5)
 
 
 def test_failed_conversion_leaves_nothing_readable(gen_folder, tmp_path, bucket, s3_server):
@@ -271,7 +323,7 @@ def test_server_restart_mid_epoch_retries_then_continues(tar_pair, s3_server):
     url, local, cache = tar_pair
     want = payloads(packio.open_dataset(local, decode=False).reader)
     stream = packio.open_dataset(url, iterable=True, cache_dir=cache, decode=False)
-    stream.reader.prefetch = 0
+    stream.reader.source.prefetch = 0
     it = iter(packio.DataLoader(stream, batch_size=3))
     first = next(it)
     got = [(k, bytes(v)) for k, v in zip(first["key"], first["image"])]
@@ -309,6 +361,6 @@ def test_cli_convert_info_verify_a_url(gen_folder, tmp_path, bucket, s3_server, 
     assert main(["convert", str(src), url, "--quiet", "--overwrite"]) == 0  # one shard now
     assert len(packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.manifest.extra["shards"]) == 1
     names = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
-    sub = packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.store.url.rsplit("/", 1)[1]
+    sub = packio.open_dataset(url, cache_dir=tmp_path / "c2").reader.files_at.rsplit("/", 1)[1]
     assert sorted(names) == sorted(["cli.wds/packio.json"] + [f"cli.wds/{sub}/{n}" for n in (
-        "index.npy", "packio.json", "shard-000000.tar")])  # the old upload's objects are gone
+        "index.npy", "packio.json", "record_digests.npy", "shard-000000.tar")])  # the old upload's are gone

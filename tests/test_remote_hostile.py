@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import os
 import shutil
 import threading
@@ -54,6 +55,14 @@ class _Hostile(Quiet, http.server.SimpleHTTPRequestHandler):
                 return
         if mode in ("endless_shard", "lying") and path.suffix == ".tar" and body:
             self._misbehave(mode, path)
+            return
+        if mode == "cut200" and path.suffix == ".tar" and body and self.headers.get("Range") and not server.cut:
+            server.cut = 1  # type: ignore[attr-defined]  # once: a transient 200 whose body breaks off
+            self.send_response(200)
+            self.send_header("Content-Length", str(path.stat().st_size))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(path.read_bytes()[:100])
             return
         if mode == "endless" and path.name == "packio.json":
             self.send_response(200)
@@ -111,7 +120,7 @@ def hostile(tmp_path):
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: _Hostile(
         *a, directory=str(httpd.directory), **k))
     httpd.daemon_threads = True
-    httpd.mode, httpd.sent, httpd.root, httpd.directory, httpd.tars = "", 0, root, root, 0
+    httpd.mode, httpd.sent, httpd.root, httpd.directory, httpd.tars, httpd.cut = "", 0, root, root, 0, 0
     httpd.endless_sent = 0
     httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -131,12 +140,13 @@ def served(hostile, gen_folder):
 
 
 def test_stalled_body_times_out_within_the_retry_budget(served, tmp_path):
+    """A body that stops mid-way: the read gives up at its timeout. 'timed out' is the proof,
+    not a clock: without the timeout the server's own end (30 s later, the body short) would
+    raise another error, after minutes of tries."""
     server, url = served
     server.mode = "stall"
-    t0 = time.monotonic()
     with pytest.raises(RemoteTimeoutError, match="timed out"):
         list(packio.open_dataset(url, iterable=True, cache_dir=tmp_path / "c", decode=False, **FAST))
-    assert time.monotonic() - t0 < 15
 
 
 def test_endless_manifest_is_cut_at_the_limit(served, tmp_path, monkeypatch):
@@ -154,6 +164,17 @@ def test_server_ignoring_range_is_named(served, tmp_path):
     ds = packio.open_dataset(url, cache_dir=tmp_path / "c", decode=False, **FAST)
     with pytest.raises(RangeNotSupportedError, match="byte ranges"):
         ds.reader.read(5)
+
+
+def test_a_cut_200_to_a_range_request_is_retried(served, tmp_path):
+    """Issue 38: a transient 200 with a cut body to a Range request was refused at once
+    (RangeNotSupportedError); a cut transfer is retried whatever its status, and only a
+    complete 200 is a refusal (test_server_ignoring_range_is_named)."""
+    server, url = served
+    want = packio.open_reader(server.root / "ds.wds").read(5)
+    server.mode = "cut200"
+    got = packio.open_reader(url, cache_dir=tmp_path / "c", **FAST).read(5)
+    assert server.cut == 1 and (got.key, bytes(got.payload)) == (want.key, bytes(want.payload))
 
 
 def test_dataset_replaced_under_a_live_reader(served, tmp_path, gen_folder):
@@ -226,15 +247,15 @@ def test_failed_overwrite_keeps_the_old_dataset(gen_folder, tmp_path, bucket, s3
     src, csv = gen_folder
     url = f"s3://{bucket}/keep.wds"
     packio.convert(src, url, csv=csv, shard_samples=3, progress=False)
-    before = sorted(s.key for s in packio.open_reader(url, cache_dir=tmp_path / "c").read_many(list(range(14))))
+    before = sorted(packio.open_reader(url, cache_dir=tmp_path / "c").key(i) for i in range(14))
     (src / "cats" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     with pytest.raises(SourceError):
         packio.convert(src, url, csv=csv, shard_samples=2, strict=True, overwrite=True, progress=False)
-    after = sorted(s.key for s in packio.open_reader(url, cache_dir=tmp_path / "c2").read_many(list(range(14))))
+    after = sorted(packio.open_reader(url, cache_dir=tmp_path / "c2").key(i) for i in range(14))
     assert after == before
 
 
-def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_server):
+def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_server, caplog):
     from packio.remote.store import Store
     from packio.remote.upload import LOCK, _Lock
 
@@ -243,13 +264,106 @@ def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_s
     lock = _Lock(Store(url), LOCK)
     lock.acquire()  # another conversion is running
     try:
-        t0 = time.monotonic()
-        with pytest.raises(OutputBusyError, match="another conversion"):
-            packio.convert(src, url, csv=csv, progress=False)
-        assert time.monotonic() - t0 < 10
+        with caplog.at_level(logging.WARNING, logger="packio"):
+            with pytest.raises(OutputBusyError, match="another conversion"):
+                packio.convert(src, url, csv=csv, progress=False)
+        assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # refused at once, never waited
     finally:
         lock.release()
     packio.convert(src, url, csv=csv, progress=False)  # free again
+
+
+_KILLED_MID_UPLOAD = r"""
+import sys
+import threading
+from packio.cli import main
+from packio.remote import store
+
+real = store.Store.put
+
+
+def put(self, local, rel):  # a shard goes up, then this conversion waits to be killed
+    real(self, local, rel)
+    if "/shard-" in rel:
+        print("uploading", flush=True)
+        threading.Event().wait(120)
+
+
+store.Store.put = put
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_conversion_killed_mid_upload_runs_again_at_once(gen_folder, tmp_path, bucket, s3_server):
+    """Issue 38: 'packio convert SRC s3://...' SIGKILLed mid-upload left its lock, and the
+    re-run was refused for 300 s by the lock of a process dead on this same machine. The
+    lock names its holder (host, pid, start time): the re-run, at once, takes it over with
+    one log line naming the dead pid and uploads the dataset; nothing of the killed run
+    stays."""
+    import subprocess
+    import sys
+
+    from packio.remote.store import Store
+
+    src, csv = gen_folder
+    url = f"s3://{bucket}/killed.wds"
+    args = ["convert", str(src), url, "--csv", str(csv), "--shard-samples", "2", "--quiet"]
+    kid = subprocess.Popen([sys.executable, "-c", _KILLED_MID_UPLOAD, *args], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert kid.stdout.readline().strip() == "uploading", kid.stderr.read()[-2000:] if kid.poll() else ""
+    finally:
+        kid.kill()
+        kid.communicate(timeout=30)
+    store = Store(url)
+    assert store.exists(".packio-lock") and not store.exists("packio.json")  # killed mid-upload
+    again = subprocess.run([sys.executable, "-m", "packio", *args], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    takeover = [line for line in again.stderr.splitlines() if "taking over the lock" in line]
+    assert len(takeover) == 1 and f"pid {kid.pid} on this host" in takeover[0], again.stderr[-2000:]
+    reader = packio.open_reader(url, cache_dir=tmp_path / "c")
+    assert len(reader.read_many(list(range(len(reader))))) == len(reader) == 14
+    left = store.listing("")
+    assert "packio.json" in left and ".packio-lock" not in left
+    assert len({rel.split("/")[0] for rel in left if rel != "packio.json"}) == 1, left  # one upload's objects
+
+
+def test_a_remote_lock_names_its_holder_and_keeps_a_live_lease(bucket, s3_server, caplog):
+    """A lock another host wrote just now keeps its lease even when that host's clock is an
+    hour behind (its own expiry long past): the lease is judged by the store's clock. The
+    refusal names the holder. A lock naming this host and the pid of a live process with
+    another start time (the pid was reused) is taken over at once, with one log line. A
+    conversion whose lock was taken meanwhile is told so before its switch, and leaves the
+    other's lock alone."""
+    from packio.remote.store import Store
+    from packio.remote.upload import LOCK, _Lock
+
+    store = Store(f"s3://{bucket}/held.wds")
+    store.put_bytes(json.dumps({"owner": "x", "host": "elsewhere", "machine": "elsewhere|boot|pid:[1]",
+                                "pid": 4242, "start": "99", "since": "yesterday",
+                                "expires": time.time() - 3000}).encode(), LOCK)
+    with pytest.raises(OutputBusyError, match="pid 4242 on host elsewhere, since yesterday"):
+        _Lock(store, LOCK).acquire()
+    mine = _Lock(store, f"{LOCK}-mine")
+    mine.acquire()
+    body = json.loads(store.read(f"{LOCK}-mine", 1 << 16))  # what this process's lock says of it
+    mine.release()
+    store.put_bytes(json.dumps({**body, "owner": "y", "start": "1"}).encode(), LOCK)  # its pid, another process
+    lock = _Lock(store, LOCK)
+    with caplog.at_level("WARNING", logger="packio"):
+        lock.acquire()
+    lock.release()
+    said = [r.getMessage() for r in caplog.records if "taking over" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"packio: {store.url_of(LOCK)}: taking over the lock of a "
+                                                 f"conversion that is gone (pid {os.getpid()} on this host"), said
+    assert not store.exists(LOCK)
+    lock = _Lock(store, LOCK)
+    lock.acquire()
+    store.put_bytes(json.dumps({**body, "owner": "z"}).encode(), LOCK)  # taken meanwhile (a lease ran out)
+    with pytest.raises(OutputBusyError, match="took this one's lock"):
+        lock.check()  # what the upload asks before it switches the dataset
+    lock.release()
+    assert json.loads(store.read(LOCK, 1 << 16))["owner"] == "z"  # another's lock is never deleted
 
 
 def test_killed_upload_staging_is_cleaned(gen_folder, tmp_path, bucket, s3_server):
@@ -455,7 +569,7 @@ def test_forbidden_is_an_access_error(served, tmp_path):
         packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
 
 
-def test_missing_bucket_says_create_it(gen_folder, tmp_path, s3_server):
+def test_missing_bucket_says_create_it(gen_folder, tmp_path, s3_server, caplog):
     """A bucket that does not exist (SeaweedFS): opening and converting to it say so
     (RemoteNotFoundError naming the bucket), not 'not a packed dataset', not busy, not credentials."""
     from packio.errors import RemoteNotFoundError
@@ -464,10 +578,10 @@ def test_missing_bucket_says_create_it(gen_folder, tmp_path, s3_server):
     url = "s3://no-such-bucket-29/ds.wds"
     with pytest.raises(RemoteNotFoundError, match=r"bucket s3://no-such-bucket-29 does not exist; create it"):
         packio.open_dataset(url, cache_dir=tmp_path / "c", **FAST)
-    t0 = time.monotonic()
-    with pytest.raises(RemoteNotFoundError, match=r"bucket s3://no-such-bucket-29 does not exist; create it"):
-        packio.convert(src, url, csv=csv, progress=False, tmp_dir=tmp_path / "tmp")
-    assert time.monotonic() - t0 < 30
+    with caplog.at_level(logging.WARNING, logger="packio"):
+        with pytest.raises(RemoteNotFoundError, match=r"bucket s3://no-such-bucket-29 does not exist; create it"):
+            packio.convert(src, url, csv=csv, progress=False, tmp_dir=tmp_path / "tmp")
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # a missing bucket is not retried
     assert "no-such-bucket-29" not in {b["Name"] for b in s3_server.client().list_buckets()["Buckets"]}
 
 

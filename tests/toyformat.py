@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from packio.errors import FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, file_starts_with,
-                                 pack_record, payload_bytes, unpack_record)
+from packio.formats.base import (FormatSpec, WriteOptions, Writer, decode_stored, file_starts_with, pack_record,
+                                 payload_bytes, unpack_record)
+from packio.formats.reader import Reader
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -50,6 +51,8 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 class ToyReader(Reader):
+    MANIFEST_BESIDE = False  # the manifest lives inside the one file
+
     @classmethod
     def claims(cls, path: str) -> bool:
         return file_starts_with(path, MAGIC)
@@ -72,9 +75,7 @@ class ToyReader(Reader):
         self.__dict__.pop("_h_records", None)
         self.__dict__.pop("_h_payloads", None)
 
-    def read(self, i: int) -> Sample:
-        i = self.check_index(i)
-        self._ensure_open()
+    def _load(self, i: int) -> Sample:
         rec = unpack_record(self._h_records[i], f"#{i}")
         return decode_stored(rec, self._h_payloads[i], f"#{i}")
 

@@ -4,7 +4,7 @@ limits and a naive per-file baseline. ``packio bench --help``.
 Every read measurement runs in a fresh subprocess (isolated RSS, page cache state
 and worker pools); figures are medians of interleaved repeats. Warm: the files are
 read once into the page cache, the loader (persistent workers) runs an untimed
-warm-up, then one whole epoch is timed. Cold: the files are evicted
+warm-up, then whole epochs are timed, for a second at least. Cold: the files are evicted
 (POSIX_FADV_DONTNEED, checked with mincore), then a fresh epoch is timed after its
 first batch (start-up is reported apart, as ``first batch s``). Opens and peak
 memory are measured from outside the child (:mod:`packio.bench.probe`): opens from
@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,10 +32,11 @@ import numpy as np
 
 from packio.bench.probe import MARKER, Probe, count_opens, strace_prefix, wait_and_probe
 from packio.manifest import disk_bytes
+from packio.measure import OtherLoad
 
-__all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", "plot", "warm_cache", "evict",
-           "resident_fraction", "limit_l1", "limit_l2", "bare_lmdb_write", "NaiveDataset", "ratios", "measure",
-           "summarise", "Progress", "limit_key"]
+__all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", "plot", "limit_lines", "legend",
+           "warm_cache", "evict", "resident_fraction", "limit_l1", "limit_l2", "bare_lmdb_write", "NaiveDataset",
+           "ratios", "measure", "summarise", "Progress", "limit_key", "plan", "Setup", "run_all"]
 
 BATCH = 64
 SIZE = 224
@@ -319,9 +321,10 @@ def _labels(batch: Any) -> Any:
     return batch["label"] if isinstance(batch, dict) else batch[1]
 
 
-def _timed_epoch(loader: Any, cold: bool, warmup: int | None) -> dict[str, Any]:
-    """Warm: an untimed warm-up (``warmup`` batches, None: a whole epoch), then one timed
-    epoch. Cold: a fresh epoch timed after its first batch (start-up reported apart)."""
+def _timed_epoch(loader: Any, cold: bool, warmup: int | None, min_s: float = 1.0) -> dict[str, Any]:
+    """Warm: an untimed warm-up (``warmup`` batches, None: a whole epoch), then whole epochs
+    timed until ``min_s`` pass (a small dataset's one epoch is over in milliseconds). Cold:
+    one fresh epoch timed after its first batch (start-up reported apart)."""
     from packio.measure import cpu_seconds
 
     n_warm = 0
@@ -330,16 +333,26 @@ def _timed_epoch(loader: Any, cold: bool, warmup: int | None) -> dict[str, Any]:
             n_warm += len(_labels(batch))
             if warmup is not None and k + 1 >= warmup:
                 break
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    n = 0
+    c0 = cpu_seconds()  # before the clock starts: it scans /proc, milliseconds on a busy machine
+    t0 = time.perf_counter()
+    n = epochs = per_epoch = 0
     t_first = n_first = None
-    for batch in loader:
-        n += len(_labels(batch))
-        if t_first is None:
-            t_first, n_first = time.perf_counter(), n
-    t_end, c_end = time.perf_counter(), cpu_seconds()  # persistent workers are still alive: they count
+    while True:
+        for batch in loader:
+            n += len(_labels(batch))
+            if t_first is None:
+                t_first, n_first = time.perf_counter(), n
+        epochs += 1
+        per_epoch = per_epoch or n
+        if cold or time.perf_counter() - t0 >= min_s or not n:
+            break
+    t_end = time.perf_counter()
+    c_end = cpu_seconds()  # persistent workers are still alive: they count
+    if t_first is None:
+        return {"samples": 0, "rate": 0.0, "first_batch_s": float("nan"), "samples_read": n_warm, "epochs": 1}
     rate = (n - n_first) / (t_end - t_first) if cold else n / (t_end - t0)
-    out = {"samples": n, "rate": rate, "first_batch_s": t_first - t0, "samples_read": n + n_warm}
+    out = {"samples": per_epoch, "epochs": epochs, "rate": rate, "first_batch_s": t_first - t0,
+           "samples_read": n + n_warm}
     if not cold and n:
         out["cpu_us"] = (c_end - c0) / n * 1e6  # CPU per sample, all processes: steadier than rates when shared
     return out
@@ -430,26 +443,16 @@ def _pack(src: Path, csv_path: Path | None, work: Path, tag: str,
 ITERABLE = ("tar",)  # formats also measured through PackedIterableDataset (sequential shard reads)
 
 
-def _plan(packed: dict[str, dict[str, Any]], workers: list[int], quick: bool, cold: bool, src: Path,
+def plan(packed: dict[str, dict[str, Any]], workers: list[int], quick: bool, cold: bool, src: Path,
           csv_path: Path | None, ncpu: int) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
     """The limits and the loader runs, derived from the packed variants: W1 (decode +
-    resize) for variants that store encoded images, W2 for fixed-shape pixel variants."""
+    resize) for variants that store encoded images, W2 for fixed-shape pixel variants.
+    Every variant runs at packio's documented setting (``num_workers=0``, one decode or
+    copy thread per CPU: the default in a training process), then at each of ``workers``
+    (without threads); only the limits some run is compared with are measured."""
     w1 = [n for n, p in packed.items() if not p["fixed"]]
     w2 = [n for n, p in packed.items() if p["fixed"]]
     plain = [n for n in w1 if n == packed[n]["format"]]  # each format as packed by default
-    nan = {"kind": "none"}
-    encoded = next((n for n in plain if packed[n]["payload"] == "encoded"), None)
-    arrays = next((n for n in w2 if packed[n]["format"] == "arrays"), None)
-    # Limits run as children in every round too, so that they see the same machine
-    # as the loaders (its speed drifts by ±20% over minutes here).
-    limits = [("L1_1proc", {"kind": "L1", "procs": 1, "path": packed[encoded]["path"]}
-               if encoded and not quick else nan),
-              (f"L1_{ncpu}proc", {"kind": "L1", "procs": ncpu, "path": packed[encoded]["path"]} if encoded else nan),
-              ("L1_pre256_1proc", {"kind": "L1", "procs": 1, "path": packed["lmdb-pre256"]["path"]}
-               if "lmdb-pre256" in packed else nan),
-              ("L1_pre256", {"kind": "L1", "procs": ncpu, "path": packed["lmdb-pre256"]["path"]}
-               if "lmdb-pre256" in packed else nan),
-              ("L2", {"kind": "L2", "path": packed[arrays]["path"]} if arrays else nan)]
     runs: list[dict[str, Any]] = []
 
     def add(label: str, name: str, workload: str, ws: list[int], **kw: Any) -> None:
@@ -458,36 +461,57 @@ def _plan(packed: dict[str, dict[str, Any]], workers: list[int], quick: bool, co
                          "workers": w, "cold": False, **kw})
 
     for name in w1:
+        add(f"{name} + {ncpu} decode threads", name, "W1", [0], threads=ncpu)
         add(name, name, "W1", workers)
         if packed[name]["format"] in ITERABLE and not quick:
             add(name + " (iterable)", name, "W1", workers, kind="packio-iter")
-    for name in [] if quick else [n for n in w1 if packed[n]["payload"] == "encoded"]:
-        add(f"{name} + {ncpu} decode threads", name, "W1", [0], threads=ncpu)  # decode threads, no workers
-    for w in workers[-1:] if quick else workers:
+    for w in workers or [ncpu]:  # a plain Dataset's only parallelism: worker processes
         runs.append({"label": "naive per-file PIL + CSV", "kind": "naive", "path": str(src),
                      "csv": str(csv_path) if csv_path else None, "workload": "W1", "workers": w, "cold": False,
                      "limit": 640})
-    tar = next((n for n in plain if packed[n]["format"] == "tar"), None)
-    try:
-        import webdataset  # noqa: F401  (packio[bench]: the reference loader on packio's shards)
-
-        for w in workers if tar and not quick else []:
-            runs.append({"label": "webdataset lib on packio shards", "kind": "webdataset",
-                         "path": packed[tar]["path"], "workload": "W1", "workers": w, "cold": False})
-    except ImportError:
-        pass
+    runs += _webdataset_runs(packed, plain, workers, quick)
     for name in w2:
+        add(f"{name} + {ncpu} copy threads", name, "W2", [0], threads=ncpu)
         add(name, name, "W2", workers)
     if cold:
         for name in plain:
-            add(name, name, "W1", [max(workers)], cold=True)
+            add(name, name, "W1", [max(workers, default=0)], cold=True)
         for name in w2[:1]:
-            add(name, name, "W2", workers, cold=True)
+            add(name, name, "W2", workers or [0], cold=True)
     by_path = {p["path"]: p["data"] for p in packed.values()}
     for cfg in runs:  # which limit a run is measured against: what its loader has to decode
         cfg["data"] = by_path.get(cfg["path"], "original")
         cfg["limit_key"] = limit_key(cfg, ncpu)
-    return limits, runs
+    return _limits_needed(packed, plain, w2, {cfg["limit_key"] for cfg in runs}, ncpu), runs
+
+
+def _webdataset_runs(packed: dict[str, dict[str, Any]], plain: list[str], workers: list[int],
+                     quick: bool) -> list[dict[str, Any]]:
+    """The webdataset library reading packio's shards (packio[bench]), when installed."""
+    tar = next((n for n in plain if packed[n]["format"] == "tar"), None)
+    try:
+        import webdataset  # noqa: F401  (packio[bench]: the reference loader on packio's shards)
+    except ImportError:
+        return []
+    return [{"label": "webdataset lib on packio shards", "kind": "webdataset", "path": packed[tar]["path"],
+             "workload": "W1", "workers": w, "cold": False} for w in (workers if tar and not quick else [])]
+
+
+def _limits_needed(packed: dict[str, dict[str, Any]], plain: list[str], w2: list[str], needed: set[str],
+                   ncpu: int) -> list[tuple[str, dict[str, Any]]]:
+    """The machine's limits, each measured only when a run is compared with it (else kind
+    "none": reported as not measured, drawn nowhere)."""
+    encoded = next((n for n in plain if packed[n]["payload"] == "encoded"), None)
+    arrays = next((n for n in w2 if packed[n]["format"] == "arrays"), None)
+    pre = packed.get("lmdb-pre256", {}).get("path")
+    # Limits run as children in every round too, so that they see the same machine
+    # as the loaders (its speed drifts by ±20% over minutes here).
+    table = {"L1_1proc": {"kind": "L1", "procs": 1, "path": packed[encoded]["path"]} if encoded else None,
+             f"L1_{ncpu}proc": {"kind": "L1", "procs": ncpu, "path": packed[encoded]["path"]} if encoded else None,
+             "L1_pre256_1proc": {"kind": "L1", "procs": 1, "path": pre} if pre else None,
+             "L1_pre256": {"kind": "L1", "procs": ncpu, "path": pre} if pre else None,
+             "L2": {"kind": "L2", "path": packed[arrays]["path"]} if arrays else None}
+    return [(name, cfg if cfg and name in needed else {"kind": "none"}) for name, cfg in table.items()]
 
 
 def limit_key(cfg: dict[str, Any], ncpu: int) -> str:
@@ -531,11 +555,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--csv", help="CSV of boxes for --src")
     ap.add_argument("--count", type=int, help="generated images (default 5000; 200 with --quick)")
     ap.add_argument("--work", default="bench-out", help="folder for packed data and results")
-    ap.add_argument("--workers", help="num_workers settings, comma-separated (default 0,2; 1 with --quick)")
+    ap.add_argument("--workers", help="num_workers settings (no decode threads) timed besides each format's default "
+                                      "of num_workers=0 with a thread per CPU, comma-separated (default 0,2; none "
+                                      "with --quick)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes; medians reported (default 3)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold page cache passes")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 200 images, 1 repeat, lmdb/tar/arrays, 1 worker, warm cache only")
+                    help="a smoke run: 200 images, 1 repeat, lmdb/tar/arrays each at its default setting, warm "
+                         "cache only")
     ap.add_argument("--tune", metavar="PATH", help="only tune DataLoader settings for a packed dataset")
     ap.add_argument("--tune-seconds", type=float, default=3.0, help="seconds per tuning trial")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -551,36 +578,61 @@ def main(argv: list[str] | None = None) -> int:
         import packio
         from packio.tuning import tune
 
-        tune(packio.open_dataset(a.tune, resize=SIZE), batch_size=BATCH, seconds=a.tune_seconds)
+        tune(packio.open_dataset(a.tune, resize=SIZE), batch_size=BATCH, seconds=a.tune_seconds)  # none: an error
         return 0
     if a.count is None:
         a.count = 200 if a.quick else 5000
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     src, csv_path, label = _source(a, work)
-    workers = [int(w) for w in (a.workers or ("1" if a.quick else "0,2")).split(",")]
+    workers = [int(w) for w in (a.workers or ("" if a.quick else "0,2")).split(",") if w.strip()]
     repeats = 1 if a.quick else a.repeats
     cold = not (a.no_cold or a.quick)
     ncpu = os.cpu_count() or 1
-    print(f"== packio bench: {label}; {ncpu} CPUs; workers {workers}; {repeats} interleaved passes", flush=True)
+    print(f"== packio bench: {label}; {ncpu} CPUs; each format with num_workers=0 and {ncpu} threads (packio's "
+          f"default){f', then num_workers {workers}' if workers else ''}; {repeats} interleaved "
+          f"pass{'es' if repeats != 1 else ''}", flush=True)
     packed = _pack(src, csv_path, work, src.name, variants(QUICK_FORMATS if a.quick else None))
     bare = min(bare_lmdb_write(src, work) for _ in range(1 if a.quick else 2))
-    limits, runs = _plan(packed, workers, a.quick, cold, src, csv_path, ncpu)
-    randoms = _random_plan(packed, a.quick, cold)
-    progress = Progress(repeats * (sum(c["kind"] != "none" for _, c in limits) + len(runs)) + len(randoms), repeats)
-    limit_runs, results = measure(limits, runs, repeats, progress)
+    report = run_all(packed, Setup(src, csv_path, label, workers, repeats, cold, a.quick, ncpu), bare)
+    _write(report, work, src.name)
+    return 0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a bench run measures besides the packed variants."""
+
+    src: Path
+    csv: Path | None
+    label: str  # the source, in words
+    workers: list[int]  # num_workers settings timed besides each variant's default
+    repeats: int
+    cold: bool
+    quick: bool
+    ncpu: int
+
+
+def run_all(packed: dict[str, dict[str, Any]], s: Setup, bare: float, runner: Any = None) -> dict[str, Any]:
+    """Measure the packed variants (each run by ``runner``, default a fresh probed process):
+    the report ``render`` and ``plot`` draw."""
+    limits, runs = plan(packed, s.workers, s.quick, s.cold, s.src, s.csv, s.ncpu)
+    randoms = _random_plan(packed, s.quick, s.cold)
+    progress = Progress(s.repeats * (sum(c["kind"] != "none" for _, c in limits) + len(runs)) + len(randoms),
+                        s.repeats, runner=runner)
+    others = OtherLoad()
+    limit_runs, results = measure(limits, runs, s.repeats, progress)
     random_runs = [(name, c, progress.run(f"random access ds[i], {name}, {'cold' if c else 'warm'}", cfg))
                    for name, c, cfg in randoms]
-    report = {"source": label, "cpus": ncpu, "workers": workers, "repeats": repeats,
-              "limits": _limits_summary(limit_runs, ncpu),
+    report = {"source": s.label, "cpus": s.ncpu, "workers": s.workers, "repeats": s.repeats, "busy": others.text(),
+              "limits": _limits_summary(limit_runs, s.ncpu),
               "pack": {**{n: {k: v for k, v in p.items() if k != "path"} for n, p in packed.items()},
                        "bare_lmdb_write_s": bare},
               "runs": summarise(runs, results, limit_runs, packed),
               "random": [{"format": n, "cold": c, **r} for n, c, r in random_runs]}
     probed = next((r for rs in results for r in rs if "opens_method" in r), {})
     report.update(opens_method=probed.get("opens_method"), memory_kind=probed.get("memory_kind", "RSS"))
-    _write(report, work, src.name)
-    return 0
+    return report
 
 
 def _write(report: dict[str, Any], work: Path, tag: str) -> None:
@@ -632,7 +684,8 @@ class Progress:
 
 
 def _run_label(cfg: dict[str, Any]) -> str:
-    extra = f", {cfg['threads']} decode threads" if cfg.get("threads") else ""
+    extra = (f", {cfg['threads']} {'decode' if cfg['workload'] == 'W1' else 'copy'} threads" if cfg.get("threads")
+             else "")
     return (f"{cfg['label']} {cfg['workload']} num_workers={cfg['workers']}{extra}, "
             f"{'cold' if cfg['cold'] else 'warm'}")
 
@@ -777,6 +830,9 @@ def render(r: dict[str, Any]) -> str:
 
     lines = [f"### packio bench — {r['source']}, {ncpu} CPUs, median of {r['repeats']}",
              "",
+             *([f"**Busy machine:** {r['busy']} while this ran (on average): samples/s run lower, and vary more, "
+                "than on a quiet machine; the ratios to limits measured in the same passes are steadier. Run "
+                "again on a quiet machine for figures to quote.", ""] if r.get("busy") else []),
              f"- **W1**: {WORKLOADS['W1']}, from the original bytes or from bytes stored pre-resized "
              f"(short side 256: {pre or 'none in this run'}).",
              f"- **W2**: {WORKLOADS['W2']}.",
@@ -799,7 +855,8 @@ def render(r: dict[str, Any]) -> str:
             lines.append(head + f"{'cold' if row['cold'] else 'warm'} | error: {row['error']} |||||||||")
             continue
         name, _ = limit_for(row, r)
-        xn = f"{row['rate'] / naive[row['workers']]:.1f}" if naive.get(row["workers"]) and row["workload"] == "W1" else ""
+        same = row["workers"] or row.get("threads", 0)  # the naive loader on as many CPUs
+        xn = f"{row['rate'] / naive[same]:.1f}" if naive.get(same) and row["workload"] == "W1" else ""
         cold = "warm" if not row["cold"] else f"cold ({row['resident_after_evict'] * 100:.0f}% resident)"
         mbs = "" if row["mb_s"] != row["mb_s"] else f"{row['mb_s']:.0f}"
         xl = (f"above {name}: measurement error" if row["above_limit"] else
@@ -843,9 +900,36 @@ PANELS = (("W1", "original", f"W1 from original bytes: {WORKLOADS['W1']}"),
           ("W2", "arrays", f"W2: {WORKLOADS['W2']}"))
 
 
+def limit_lines(r: dict[str, Any], data: str) -> list[tuple[str, float, str]]:
+    """The limits drawn on the panel of ``data`` as (legend label, samples/s, line style):
+    only those measured (a --quick run leaves some out; they are never drawn as nan)."""
+    L, n = r["limits"], r["cpus"]
+    table = {"original": [("L1 decode+resize limit, 1 process", "L1_1proc", ":"),
+                          (f"L1 decode+resize limit, {n} processes", f"L1_{n}proc", "--")],
+             "pre-resized": [("L1pre limit (pre-resized bytes), 1 process", "L1_pre256_1proc", ":"),
+                             (f"L1pre limit (pre-resized bytes), {n} processes", "L1_pre256", "--")],
+             "arrays": [("L2 memcpy limit, per sample", "L2_per_sample", ":"),
+                        (f"L2 memcpy limit, {BATCH} at a time", "L2_batched", "--")]}
+    out = []
+    for label, key, style in table.get(data, []):
+        v = L.get(key)
+        if isinstance(v, (int, float)) and v == v and v > 0:
+            out.append((f"{label}: {v:,.0f}/s", float(v), style))
+    return out
+
+
+def legend(sel: list[dict[str, Any]], r: dict[str, Any], data: str) -> list[tuple[str, Any]]:
+    """One panel's legend, (label, what it names): each kind of run drawn ((num_workers,
+    threads)), "cold" when a cold-cache run is drawn, each measured limit ((samples/s, line style))."""
+    kinds = sorted({(x["workers"], x.get("threads", 0)) for x in sel}, key=lambda k: (k[1] > 0, k[0]))
+    return ([(_kind_label(k), k) for k in kinds] + ([("cold page cache", "cold")] if any(x["cold"] for x in sel)
+                                                     else [])
+            + [(label, (value, style)) for label, value, style in limit_lines(r, data)])
+
+
 def _kind_label(k: tuple[int, int]) -> str:
     w, t = k
-    return f"{t} decode threads in 1 process" if t else "num_workers=0 (1 process)" if w == 0 else f"num_workers={w}"
+    return f"num_workers=0, {t} threads in 1 process" if t else "num_workers=0 (1 process)" if w == 0 else f"num_workers={w}"
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
@@ -864,20 +948,11 @@ def plot(r: dict[str, Any], path: Path) -> None:
     heights = [len(p[3]) + 2.5 for p in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(15, 0.34 * sum(heights) + 1.2),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
-    L, ncpu = r["limits"], r["cpus"]
+    ncpu = r["cpus"]
     palette = ["#4c72b0", "#dd8452", "#55a868", "#8172b2", "#937860"]
     kinds = sorted({(x["workers"], x.get("threads", 0)) for x in rows}, key=lambda k: (k[1] > 0, k[0]))
     colours = {k: palette[i % len(palette)] for i, k in enumerate(kinds)}
 
-    refs = {"original": [(f"L1 decode+resize limit, 1 process: {L['L1_1proc']:.0f}/s", L["L1_1proc"], ":"),
-                         (f"L1 decode+resize limit, {ncpu} processes: {L[f'L1_{ncpu}proc']:.0f}/s",
-                          L[f"L1_{ncpu}proc"], "--")],
-            "pre-resized": [(f"L1pre limit (pre-resized bytes), 1 process: "
-                             f"{L.get('L1_pre256_1proc', float('nan')):.0f}/s", L.get("L1_pre256_1proc"), ":"),
-                            (f"L1pre limit (pre-resized bytes), {ncpu} processes: {L['L1_pre256']:.0f}/s",
-                             L["L1_pre256"], "--")],
-            "arrays": [(f"L2 memcpy limit, per sample: {L['L2_per_sample']:.0f}/s", L["L2_per_sample"], ":"),
-                       (f"L2 memcpy limit, {BATCH} at a time: {L['L2_batched']:.0f}/s", L["L2_batched"], "--")]}
     for ax, (wl, data, title, sel) in zip(axes[:, 0], panels):
         sel = sorted(sel, key=lambda x: (x["label"], x["workers"], x["cold"]))
         y = list(range(len(sel)))[::-1]
@@ -889,19 +964,23 @@ def plot(r: dict[str, Any], path: Path) -> None:
                      padding=3, fontsize=8)
         ax.set_yticks(y, [x["label"] + ("" if x.get("threads") else f"  ·  num_workers={x['workers']}")
                           + ("  ·  cold" if x["cold"] else "") for x in sel], fontsize=8)
-        top = max([x["rate"] for x in sel] + [v for _, v, _ in refs[data] if v])
-        handles = [Patch(color=colours[k], label=_kind_label(k)) for k in kinds if k in keys]
-        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="cold page cache"))
-        for label, value, style in refs[data]:
-            if value:
-                handles.append(ax.axvline(value, color="#c44e52", ls=style, lw=1.2, label=label))
+        top = max([x["rate"] for x in sel] + [v for _, v, _ in limit_lines(r, data)])
+        handles = []
+        for label, what in legend(sel, r, data):  # only what this panel draws
+            if what == "cold":
+                handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label=label))
+            elif isinstance(what[1], str):  # a limit: (samples/s, line style)
+                handles.append(ax.axvline(what[0], color="#c44e52", ls=what[1], lw=1.2, label=label))
+            else:
+                handles.append(Patch(color=colours[what], label=label))
         ax.set_xlim(0, top * 1.18)
         ax.set_xlabel("samples per second (higher is better)")
         ax.set_title(title, fontsize=10, loc="left")
         ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         ax.grid(axis="x", alpha=0.3)
     runs = f"median of {r['repeats']} runs" if r["repeats"] > 1 else "1 run"
-    fig.suptitle(f"packio bench — {r['source']}, {ncpu} CPUs, {runs} each", fontsize=11)
+    fig.suptitle(f"packio bench — {r['source']}, {ncpu} CPUs, {runs} each"
+                 + (f"\nbusy machine: {r['busy']}" if r.get("busy") else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -137,7 +137,7 @@ class TorchvisionBackend:
             out[i] = img
 
 
-# torchvision first: on one H100 (tools/gpu.py --sweep, 500x375 q90 JPEGs, batch 256)
+# torchvision first: on one H100 (the former tools/gpu.py --sweep, 500x375 q90 JPEGs, batch 256)
 # its batched nvjpeg decoded 12.6k img/s against nvImageCodec's 9.8k (hardware decoder at
 # its best share); nvImageCodec stays the pick where torchvision is not installed.
 ORDER = ("torchvision", "nvimgcodec")

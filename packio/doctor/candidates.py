@@ -18,7 +18,7 @@ from packio.doctor.stages import StageCosts
 from packio.read.loader import DataLoader
 from packio.measure import Rate, throughput
 
-__all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "measure_packed", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack"]
+__all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "measure_packed", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack", "enlarged"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class Candidate:
     now: bool = False  # the data as it is stored today (the baseline)
     note: str = ""
     error: str = ""
+    estimated: str = ""  # why samples/s is an estimate from the stage costs (not timed), or ""
+    enlarged: int = 0  # sampled images this layout stores with more pixels than they have
+    timed_batch: int = 0  # the batch size timed, when smaller than the training batch (huge images)
 
     def ceiling(self, cpus: int) -> float:
         """Samples/s on ``cpus`` CPUs of its own, from the CPU time measured (an upper bound)."""
@@ -87,6 +90,13 @@ class Candidate:
 
     def measured(self, rate: Rate, settings: dict[str, Any]) -> None:
         self.samples_per_s, self.cpu_per_sample, self.settings = rate.samples_per_s, rate.cpu_per_sample, settings
+
+    def estimate(self, cpus: int, why: str) -> None:
+        """Samples/s from the stage costs on ``cpus`` decode threads, not timed (``why``)."""
+        total = self.stages.total if self.stages is not None else 0.0
+        self.cpu_per_sample = total
+        self.samples_per_s = cpus / total if total > 0 else 0.0
+        self.settings, self.estimated = {}, why
 
 
 class IndexedDataset(PackedDataset):
@@ -179,10 +189,10 @@ def output_name(source_name: str, layout: Layout) -> str:
     return f"{source_name}-{layout.tag}{layout.suffix}"
 
 
-def convert_line(src: Path, out: str, layout: Layout, csv: str | None) -> str:
+def convert_line(src: Path, out: str, layout: Layout, csv: str | None, csv_columns: str | None = None) -> str:
     parts = ["packio", "convert", str(src), out, *layout.flags]
     if csv:
-        parts += ["--csv", csv]
+        parts += ["--csv", csv] + (["--csv-columns", csv_columns] if csv_columns else [])
     return shlex.join(parts)
 
 
@@ -209,3 +219,10 @@ def pack(src: Path, dst: Path, layout: Layout, workers: int) -> tuple[int, float
     s = convert(src, dst, format=layout.format, resize=layout.resize, workers=workers, progress=False,
                 overwrite=True, follow_symlinks=True)  # the exported sample links to the source's files
     return s.packed, time.perf_counter() - t
+
+
+def enlarged(layout: Layout, sizes: list[tuple[int, int]]) -> int:
+    """How many images of (height, width) ``sizes`` the layout's resize enlarges."""
+    from packio.pack.prepare import enlarges
+
+    return sum(enlarges(layout.resize, h, w) for h, w in sizes) if layout.resize is not None else 0

@@ -20,7 +20,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -93,9 +93,11 @@ class Watch:
     """Wraps any iterable of batches; see the module docstring. Re-iterable when the
     wrapped object is (one pass per ``for``); every batch passes through unchanged."""
 
-    def __init__(self, iterable: Iterable[Any], *, cuda: bool | None = None) -> None:
+    def __init__(self, iterable: Iterable[Any], *, cuda: bool | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.iterable = iterable
         self.cuda = cuda
+        self.clock = clock or time.perf_counter  # wall time in seconds; a simulation may bring its own
         self.waits: list[float] = []  # steady-state waits (GPU idle gaps with CUDA)
         self.steps: list[float] = []
         self.wall_waits: list[float] = []
@@ -149,7 +151,7 @@ class Watch:
         cuda = self._use_cuda()
         self._timing = "CUDA events" if cuda else "wall clock"
         it = iter(self.iterable)
-        t_req, ev_req = time.perf_counter(), self._event(cuda)
+        t_req, ev_req = self.clock(), self._event(cuda)
         first, stepping = True, False
         t_got, ev_got = t_req, ev_req
         try:
@@ -158,7 +160,7 @@ class Watch:
                     batch = next(it)
                 except StopIteration:
                     return
-                t_got, ev_got = time.perf_counter(), self._event(cuda)
+                t_got, ev_got = self.clock(), self._event(cuda)
                 if first:  # worker start-up / epoch start: reported apart, not steady state
                     self.startups.append(t_got - t_req)
                     first = False
@@ -168,11 +170,11 @@ class Watch:
                 stepping = True
                 yield batch
                 stepping = False
-                t_req, ev_req = time.perf_counter(), self._event(cuda)
+                t_req, ev_req = self.clock(), self._event(cuda)
                 self._add(self.wall_steps, self.steps, t_req - t_got, ev_got, ev_req)
         finally:
             if stepping:  # the loop left during a step (break): it ends now
-                self._add(self.wall_steps, self.steps, time.perf_counter() - t_got, ev_got, self._event(cuda))
+                self._add(self.wall_steps, self.steps, self.clock() - t_got, ev_got, self._event(cuda))
 
     def __enter__(self) -> "Watch":
         return self
@@ -278,7 +280,8 @@ def advise(r: WatchReport) -> list[str]:
     return out
 
 
-def watch(loader: Iterable[Any], *, cuda: bool | None = None) -> Watch:
+def watch(loader: Iterable[Any], *, cuda: bool | None = None, clock: Callable[[], float] | None = None) -> Watch:
     """Wrap ``loader`` (any iterable of batches) to time data waits against steps.
-    ``cuda=None``: CUDA events when this process already uses CUDA, else wall time."""
-    return Watch(loader, cuda=cuda)
+    ``cuda=None``: CUDA events when this process already uses CUDA, else wall time, read
+    from ``clock`` (default ``time.perf_counter``)."""
+    return Watch(loader, cuda=cuda, clock=clock)

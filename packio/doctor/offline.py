@@ -4,6 +4,7 @@ a ranked recommendation. Bounded by ``seconds``; sized to the CPU/memory budget.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -89,22 +90,33 @@ class _Run:
     say: Callable[[str], None]
     jpegs: list[bytes] = field(default_factory=list)  # a batch of original JPEG bytes (GPU decode check)
     packed: dict[str, Path] = field(default_factory=dict)  # layout tag → its pack of the sample
+    sizes: list[tuple[int, int]] = field(default_factory=list)  # the sample's stored (h, w), from headers
 
     @property
     def trials(self) -> int:
         """Timed runs per layout: packio.tune's grid + a re-measure of its pick, or one."""
         return 1 if self.quick else len(self.workers) * len(self.threads) + 1
 
-    def rate(self, ds: Any, trial_s: float) -> tuple[Rate, dict[str, Any]]:
-        if self.quick:  # decode threads in this process: no worker start-up to pay for
+    def rate(self, ds: Any, trial_s: float, batch: int) -> tuple[Rate, dict[str, Any]]:
+        if self.quick or batch < self.batch_size:  # decode threads in this process: no worker start-up to pay for
             settings: dict[str, Any] = {"num_workers": 0, "threads": max(self.threads)}
-            return cand.measure_packed(ds, self.batch_size, trial_s, settings), settings
+            return cand.measure_packed(ds, batch, trial_s, settings), settings
         return cand.tune_and_measure(ds, self.batch_size, trial_s, self.workers, self.threads)
+
+    def timed_batch(self, c: Candidate, left: float) -> int:
+        """The batch size to time ``c`` with in ``left`` seconds: the training batch, fewer
+        samples when one batch alone would take most of that time (huge images), 0 when even
+        a first and a timed batch of one sample do not fit: ``c`` is then estimated."""
+        per, threads = (c.stages.total if c.stages is not None else 0.0), max(max(self.threads), 1)
+        if per <= 0 or self.batch_size * per / threads <= max(left, 1.0):
+            return self.batch_size
+        return 0 if 2 * per > left else max(1, int(left * threads / (2 * per)))
 
 
 def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds: float = 60.0,
              fraction: float = 0.02, min_samples: int = 256, max_samples: int = 1000,
              step_ms: float | None = None, gpu_decode_ms: float | None = None, csv: str | Path | None = None,
+             csv_columns: str | None = None,
              work: str | Path | None = None, keep: bool = False, cgroup_root: str | Path = CGROUP_ROOT,
              cpus: int | None = None, seed: int = 0, log: Callable[[str], None] | None = None) -> Diagnosis:
     """Measure the dataset at ``path`` (image folder or packed) and rank layouts.
@@ -118,8 +130,13 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     ``seconds`` bounds the run: the sample shrinks (to 2 batches at least) so that
     packing fits ~30 % of it; tuning trials share what is left; when even the
     shortest trials would not fit, tuning is skipped (one setting per layout, said
-    in the notes). Every layout is measured; the report says how long it took.
+    in the notes). Every layout is measured, within ``seconds`` and half as much again:
+    with huge images a layout may be timed on smaller batches, estimated from its stage
+    costs, packed from part of the sample, or left "not measured" (each said in the
+    report); the report says how long it took.
     ``gpu_decode_ms``: a declared nvjpeg time per batch, used only without CUDA.
+    ``csv_columns``: the CSV's column map (``class=cell_type``), for the listing and the
+    convert lines.
     """
     check_options(size=size, batch_size=batch_size, seconds=seconds, fraction=fraction, min_samples=min_samples,
                   max_samples=max_samples, step_ms=step_ms, gpu_decode_ms=gpu_decode_ms, cpus=cpus)
@@ -128,7 +145,7 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     b = budget(cgroup_root)
     ncpu = max(1, cpus or b.cpus)
     load_before = _load()
-    src = open_source(path, csv)
+    src = open_source(path, csv, csv_columns)
     if not src.count:
         raise PackioError(f"{path}: holds no samples; nothing to measure")
     n = _sample_size(src.count, fraction, min_samples, max_samples)
@@ -141,14 +158,14 @@ def diagnose(path: str | Path, *, size: int = 224, batch_size: int = 64, seconds
     stages = measure_stages("as stored", src.payload, order[:min(n, 64)], size, batch_size, xfer,
                             deadline=t0 + 0.12 * seconds)
     # wall time per sample pass, preemption by other processes included: what packing will see
-    stage_wall = (time.perf_counter() - t_stages) / (2 * max(stages.n, 1) + 1)
+    stage_wall = (time.perf_counter() - t_stages) / max(stages.passes, 1)
     notes: list[str] = []
     p = _plan(n, order, stages, stage_wall, size=size, batch_size=batch_size, seconds=seconds, ncpu=ncpu, b=b,
               t0=t0, csv=bool(csv), notes=notes)
     with _workdir(work, keep, say) as root:
         run = _Run(src, p.idx, size, batch_size, root, src.export(p.idx, root / "sample"), p.pack_workers,
-                   p.workers, p.threads, p.quick, xfer, say)
-        out = _measure_all(run, p.lays, t0 + seconds, p.pack_est, p.first_batch, stages, notes)
+                   p.workers, p.threads, p.quick, xfer, say, sizes=src.sizes(p.idx))
+        out = _measure_all(run, p.lays, (t0 + seconds, 0.5 * seconds), p.pack_est, p.first_batch, stages, notes)
 
     ranked, busy = _rank(out, src.count, b, ncpu, load_before, notes)
     return Diagnosis(source=src.describe(), count=src.count, sample=len(p.idx), size=size, batch_size=batch_size,
@@ -203,7 +220,7 @@ def _plan(n: int, order: list[int], stages: StageCosts, stage_wall: float, *, si
     full = jobs * (len(workers) * len(threads) + 1) * (0.2 + 0.3 + first_batch)
     quick = time.perf_counter() - t0 + sum(pack_est.values()) + full > 0.9 * seconds
     if quick:
-        notes.append(f"--seconds {seconds:g} leaves no time to tune: every layout was timed with num_workers=0, "
+        notes.append(f"--seconds {seconds:g} leaves no time to tune: the layouts timed used num_workers=0, "
                      f"threads={max(threads)} (raise --seconds for packio.tune's pick)")
     return _Plan(lays, idx, pack_workers, workers, threads, pack_est, first_batch, quick)
 
@@ -249,9 +266,11 @@ def _rank(out: list[Candidate], count: int, b: Budget, ncpu: int, load_before: f
     return ranked, busy
 
 
-def _measure_all(run: _Run, lays: list[cand.Layout], deadline: float, pack_est: dict[str, float],
+def _measure_all(run: _Run, lays: list[cand.Layout], until: tuple[float, float], pack_est: dict[str, float],
                  first_batch: float, stages: StageCosts, notes: list[str]) -> list[Candidate]:
-    """The data as stored, then each layout; trial lengths share the time left."""
+    """The data as stored, then each layout; trial lengths share the time left. ``until``:
+    the deadline, and how far past it a layout's packing may end (else it is skipped)."""
+    deadline, grace = until
     folder = run.src.kind == "folder"
     now = Candidate(title="files (one open per sample)" if folder else f"as stored ({run.src.format})", tag="now",
                     now=True, bytes_per_sample=run.src.stored_bytes(run.idx), stages=stages)
@@ -270,49 +289,101 @@ def _measure_all(run: _Run, lays: list[cand.Layout], deadline: float, pack_est: 
         if lay is None:
             c = now
             if not folder:
-                _measure_stored(run, c, trial_s)
+                _measure_stored(run, c, trial_s, trials[tag] * trial_s)
         else:
-            c = _measure_layout(run, lay, trial_s, now)
+            slot = _Slot(left, pack_est[tag], trials[tag] * trial_s, grace)
+            c = _measure_layout(run, lay, trial_s, now, slot, stages)
         out.append(c)
         if lay is not None and c.pack_s_per_sample:
             for t, j in jobs[k + 1:]:  # what packing really costs here, for the layouts still to come
                 if j is not None and (j.pack_from, bool(j.resize)) == (lay.pack_from, bool(lay.resize)):
                     pack_est[t] = c.pack_s_per_sample * len(run.idx)
-        if trials[tag]:
+        if trials[tag] and not c.estimated and not c.error:
             spent = time.perf_counter() - t_job - c.pack_s_per_sample * len(run.idx)
             overhead = min(5.0, max(0.02, (spent - trials[tag] * trial_s) / trials[tag]))
     over = time.perf_counter() - deadline
     if over > 0:
-        notes.append(f"took {over:.0f} s more than --seconds: every layout still got its shortest trials")
+        notes.append(f"took {over:.0f} s more than --seconds: every layout measured got its shortest trials")
     return out
 
 
-def _measure_stored(run: _Run, c: Candidate, trial_s: float) -> None:
+@dataclass(frozen=True)
+class _Slot:
+    """The time one layout may take: ``left`` for everything still to do, ``pack`` its
+    estimated packing, ``timing`` its trials. A pack that would end more than ``grace`` past
+    the deadline is skipped (a layout's pack of a few huge images can take minutes)."""
+
+    left: float
+    pack: float
+    timing: float
+    grace: float
+
+
+def _measure_stored(run: _Run, c: Candidate, trial_s: float, slot: float) -> None:
     """A packed source as it is: its own sampled indices, its own format."""
     run.say(f"timing {c.title} ...")
     try:
         index = np.asarray(run.idx)[cand.repeat_index(len(run.idx), run.batch_size)]
         ds = cand.IndexedDataset(run.src.path, index, resize=run.size, on_error="skip")  # a damaged one: dropped
-        c.measured(*run.rate(ds, trial_s))
+        _time(run, c, ds, trial_s, slot)
     except PackioError as exc:
         c.error = str(exc)
     c.reader_lines = cand.reader_lines(str(run.src.path), run.size, run.batch_size, c.settings)
 
 
-def _measure_layout(run: _Run, lay: cand.Layout, trial_s: float, now: Candidate) -> Candidate:
+def _time(run: _Run, c: Candidate, ds: Any, trial_s: float, slot: float, resized: bool = True) -> None:
+    """Time ``c`` reading ``ds`` within ``slot`` seconds, or estimate it from its stage costs
+    when a sample takes too long for even two (huge images): never past the budget. Its
+    stage costs then keep only the stages its loader runs (see ``StageCosts.as_loaded``)."""
+    batch = run.timed_batch(c, slot)
+    if not batch:
+        per = c.stages.total if c.stages is not None else 0.0
+        if c.stages is not None:
+            c.stages = c.stages.as_loaded(workers=False, resized=resized)
+        c.estimate(max(run.threads), f"not timed: one sample takes ~{per:.1f} s on a core, too long to time "
+                                     f"within --seconds; estimated from its stage costs on {max(run.threads)} threads")
+        return
+    c.measured(*run.rate(ds, trial_s, batch))
+    c.timed_batch = batch if batch < run.batch_size else 0
+    if c.stages is not None:
+        c.stages = c.stages.as_loaded(workers=bool(c.settings.get("num_workers")), resized=resized)
+
+
+def _measure_layout(run: _Run, lay: cand.Layout, trial_s: float, now: Candidate, slot: _Slot,
+                    stages: StageCosts) -> Candidate:
     """Pack the sample as ``lay``, measure its stages and its rate (and, after the
     original bytes of a folder, the one-file-per-sample baseline ``now``)."""
-    from packio.formats import open_reader
-
     out_name = cand.output_name(run.src.name, lay)
     c = Candidate(title=lay.title, tag=lay.tag, keeps_crops=lay.keeps_crops,
-                  convert_line=cand.convert_line(run.src.path, out_name, lay, run.src.csv),
-                  reader_lines=cand.reader_lines(out_name, lay.reader_resize, run.batch_size, {}))
-    dst = run.root / out_name
+                  convert_line=cand.convert_line(run.src.path, out_name, lay, run.src.csv, run.src.csv_columns),
+                  reader_lines=cand.reader_lines(out_name, lay.reader_resize, run.batch_size, {}),
+                  enlarged=cand.enlarged(lay, run.sizes))
     src_dir = run.packed.get(lay.pack_from or "", run.sample_dir)
+    n = len(run.idx)
+    fit = n if slot.pack <= slot.left + slot.grace else int((slot.left + slot.grace) / (slot.pack / n))
+    if lay.pack_from and lay.pack_from not in run.packed:
+        c.error = f"not measured: it is packed from the {lay.pack_from} layout's sample, which was not"
+    elif fit < 1:
+        c.error = (f"not measured: packing one sample takes ~{slot.pack / n:.0f} s here, more than --seconds "
+                   "leaves (raise --seconds)")
+    else:
+        if fit < n:  # a part of the sample, spread over it: the rate does not depend on how many
+            part = run.idx[::-(-n // fit)]
+            src_dir = run.src.export(part, run.root / f"sample-{lay.tag}")
+            c.note = f"packed {len(part)} of the {n} sampled images: more would not fit --seconds"
+        _pack_and_time(run, lay, c, src_dir, trial_s, now, slot, stages)
+    c.reader_lines = cand.reader_lines(out_name, lay.reader_resize, run.batch_size, c.settings)
+    return c
+
+
+def _pack_and_time(run: _Run, lay: cand.Layout, c: Candidate, src_dir: Path, trial_s: float, now: Candidate,
+                   slot: _Slot, stages: StageCosts) -> None:
+    from packio.formats import open_reader
+
+    dst = run.root / cand.output_name(run.src.name, lay)
     run.say(f"packing {len(run.idx)} samples as {lay.title} ...")
     try:
-        heavy = lay.resize is not None and src_dir == run.sample_dir  # a full decode of every original
+        heavy = lay.resize is not None and not lay.pack_from  # a full decode of every original
         packed, secs = cand.pack(src_dir, dst, lay, workers=run.pack_workers if heavy else 0)
         if not packed:
             raise PackioError("no sample of the source could be packed")
@@ -321,29 +392,43 @@ def _measure_layout(run: _Run, lay: cand.Layout, trial_s: float, now: Candidate)
         c.bytes_per_sample = disk_bytes(dst) / packed
         reader = open_reader(dst)
         try:
-            c.stages = measure_stages(lay.title, lambda i: reader.read(i).payload, list(range(min(8, packed))),
-                                      run.size, run.batch_size, run.xfer)
+            if lay.resize is None and run.src.kind == "folder":  # the original files' bytes: measured already
+                c.stages = dataclasses.replace(stages, layout=lay.title)
+            else:
+                c.stages = measure_stages(lay.title, lambda i: reader.read(i).payload, list(range(min(8, packed))),
+                                          run.size, run.batch_size, run.xfer,
+                                          deadline=time.perf_counter() + max(0.25, 0.05 * slot.left))
             if lay.tag == "orig":
                 run.jpegs[:] = [p for p in (bytes(reader.read(i).payload) for i in range(min(run.batch_size, packed)))
                                 if p[:3] == b"\xff\xd8\xff"]
             run.say(f"timing {lay.title} ...")
             ds = cand.IndexedDataset(dst, cand.repeat_index(packed, run.batch_size), resize=lay.reader_resize)
-            c.measured(*run.rate(ds, trial_s))
+            _time(run, c, ds, trial_s, slot.timing, resized=lay.reader_resize is not None)
             ds.reader.close()
             if lay.tag == "orig" and run.src.kind == "folder":
-                run.say(f"timing {now.title} ...")
-                paths = [str(run.sample_dir / reader.read(i).key) for i in range(len(reader))]
-                settings = cand.process_settings(c.settings)
-                now.measured(cand.measure_files(paths, run.size, run.batch_size, settings, trial_s), settings)
-                now.note = "DataLoader settings of the original-bytes LMDB" + (
-                    " (its decode threads as worker processes)" if c.settings.get("threads", 0) > 1
-                    and not c.settings.get("num_workers") else "")
+                _time_files(run, c, now, reader, trial_s, slot.timing)
         finally:
             reader.close()
     except PackioError as exc:
         c.error = str(exc)
-    c.reader_lines = cand.reader_lines(out_name, lay.reader_resize, run.batch_size, c.settings)
-    return c
+
+
+def _time_files(run: _Run, orig: Candidate, now: Candidate, reader: Any, trial_s: float, slot: float) -> None:
+    """The one-file-per-sample baseline, with the settings of the original-bytes layout."""
+    run.say(f"timing {now.title} ...")
+    batch = run.timed_batch(now, slot)
+    if not batch or orig.estimated:
+        now.estimate(max(run.threads), orig.estimated or "not timed: a sample takes too long for --seconds")
+        return
+    paths = [str(run.sample_dir / reader.read(i).key) for i in range(len(reader))]
+    settings = cand.process_settings(orig.settings)
+    now.measured(cand.measure_files(paths, run.size, batch, settings, trial_s), settings)
+    now.timed_batch = batch if batch < run.batch_size else 0
+    if now.stages is not None:
+        now.stages = now.stages.as_loaded(workers=bool(settings.get("num_workers")), resized=True)
+    now.note = "DataLoader settings of the original-bytes LMDB" + (
+        " (its decode threads as worker processes)" if orig.settings.get("threads", 0) > 1
+        and not orig.settings.get("num_workers") else "")
 
 
 def _gpu(run: _Run, ranked: list[Candidate], stages: StageCosts, ncpu: int, step_ms: float | None,

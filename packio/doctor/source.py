@@ -24,6 +24,7 @@ class Source:
     kind: str
     count: int
     csv: str | None = None
+    csv_columns: str | None = None  # the CSV's field=column map, as ``packio convert --csv-columns`` takes it
     format: str | None = None
     _paths: list[str] = field(default_factory=list)  # folder: absolute file paths
     _keys: list[str] = field(default_factory=list)  # folder: keys relative to the root
@@ -44,6 +45,26 @@ class Source:
             with open(self._paths[i], "rb") as f:
                 return f.read()
         return self._reader.read(i).payload
+
+    def sizes(self, indices: list[int]) -> list[tuple[int, int]]:
+        """(height, width) of these samples as stored, from their headers (a file's first
+        MiB); those whose size cannot be told are left out."""
+        from packio import decode as dec
+
+        out = []
+        for i in indices:
+            try:
+                if self.kind == "folder":
+                    with open(self._paths[i], "rb") as f:
+                        head = f.read(1 << 20)
+                    w, h = dec.image_size(head, dec.sniff(head) or "")
+                else:
+                    s = self._reader.read(i)
+                    w, h = s.width, s.height
+            except (OSError, ValueError, PackioError):
+                continue
+            out.append((int(h), int(w)))
+        return out
 
     def stored_bytes(self, indices: list[int]) -> float:
         """Mean bytes on disk per sample (folder: the sampled files; packed: the whole dataset / count)."""
@@ -79,8 +100,9 @@ class Source:
         return dst
 
 
-def open_source(path: str | Path, csv: str | Path | None = None) -> Source:
-    """An image folder (listed like ``packio convert`` lists it) or a packed dataset."""
+def open_source(path: str | Path, csv: str | Path | None = None, csv_columns: str | None = None) -> Source:
+    """An image folder (listed like ``packio convert`` lists it, with ``csv`` read through
+    the ``csv_columns`` map) or a packed dataset."""
     from packio.formats import open_reader
 
     p = Path(str(path).rstrip("/") or "/")
@@ -97,10 +119,11 @@ def open_source(path: str | Path, csv: str | Path | None = None) -> Source:
     if packed:
         reader = open_reader(p)
         return Source(path=p, kind="packed", count=len(reader), format=reader.manifest.format, _reader=reader)
-    from packio.sources import scan_source
+    from packio.sources import parse_columns, scan_source
 
-    scan = scan_source(p, csv)
+    scan = scan_source(p, csv, parse_columns(csv_columns))
     if not scan.items:
         raise SourceError(f"{p}: no files found; give a folder of images (class sub-folders or flat)")
     return Source(path=p, kind="folder", count=len(scan.items), csv=str(csv) if csv else None,
+                  csv_columns=csv_columns if csv else None,
                   _paths=[it.path for it in scan.items], _keys=[it.key for it in scan.items])

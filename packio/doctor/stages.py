@@ -3,6 +3,7 @@ hand-over of a decoded batch from a DataLoader worker to the training process.""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -33,6 +34,7 @@ class StageCosts:
     transfer: float
     stored_hw: tuple[int, int]  # mean stored image height, width
     skipped: int = 0  # samples that did not decode
+    passes: int = 0  # samples read and decoded while measuring (each timed once or twice)
 
     @property
     def total(self) -> float:
@@ -45,6 +47,13 @@ class StageCosts:
     def share(self, stage: str) -> float:
         return getattr(self, stage) / self.total if self.total > 0 else 0.0
 
+    def as_loaded(self, workers: bool, resized: bool) -> "StageCosts":
+        """The stages a loader with these settings runs: the hand-over from a worker only with
+        worker processes, the read-time resize only when the reader resizes (arrays come at
+        the training size)."""
+        return dataclasses.replace(self, transfer=self.transfer if workers else 0.0,
+                                   resize=self.resize if resized else 0.0)
+
 
 def measure_stages(layout: str, payload: Callable[[int], bytes | np.ndarray], indices: list[int], size: int,
                    batch_size: int, transfer: float, deadline: float | None = None) -> StageCosts:
@@ -55,7 +64,9 @@ def measure_stages(layout: str, payload: Callable[[int], bytes | np.ndarray], in
 
     Each sample is timed twice and the faster run kept, then the mean is taken over
     samples: a time slice lost to another process is not the stage's cost, but
-    a costlier (larger) image is. So ``read`` is a warm page-cache read. Torch runs
+    a costlier (larger) image is. So ``read`` is a warm page-cache read. Past the
+    deadline a sample is timed once, and at least one sample is always measured: a
+    huge image (one decode taking seconds) costs one decode here, not nine. Torch runs
     on one thread meanwhile: these are one core's costs, and torch's parallel ops
     stall for whole time slices when the other cores are busy (seen here: 600 ms
     for a 1 ms stack)."""
@@ -72,15 +83,22 @@ def _measure(layout: str, payload: Callable[[int], bytes | np.ndarray], indices:
     sums = {"read": 0.0, "decode": 0.0, "resize": 0.0}
     items: list[dict[str, Any]] = []
     hw: list[tuple[int, int]] = []
-    skipped = done = 0
-    _one(payload, indices[0], size) if indices else None  # warm-up: imports, decoder set-up
+    skipped = done = passes = 0
+    _warm_up(size)
+    t_start = time.perf_counter()
+    share = deadline - t_start if deadline is not None else 0.0
     for k, i in enumerate(indices):
-        if deadline is not None and k >= 4 and time.perf_counter() > deadline:
-            break
-        runs = [_one(payload, i, size) for _ in range(2)]
+        now = time.perf_counter()
+        if deadline is not None and k and now > deadline and (k >= 4 or (now - t_start) / k > share / 4):
+            break  # 4 samples at least, unless each takes a good part of the time: a huge image
+        runs = [_one(payload, i, size)]
+        passes += 1
         if runs[0] is None:
             skipped += 1
             continue
+        if deadline is None or 2 * time.perf_counter() - now < deadline:  # a second run fits: the faster kept
+            runs.append(_one(payload, i, size))
+            passes += 1
         for j, name in enumerate(sums):
             sums[name] += min(r[0][j] for r in runs)  # type: ignore[index]
         _, img, out, stored = runs[0]  # type: ignore[misc]
@@ -105,7 +123,15 @@ def _measure(layout: str, payload: Callable[[int], bytes | np.ndarray], indices:
     mean_hw = tuple(int(v) for v in np.mean(hw, axis=0)) if hw else (0, 0)
     return StageCosts(layout=layout, n=done, read=sums["read"] / n, decode=sums["decode"] / n,
                       resize=sums["resize"] / n, collate=coll, transfer=transfer, stored_hw=mean_hw,  # type: ignore[arg-type]
-                      skipped=skipped)
+                      skipped=skipped, passes=passes)
+
+
+def _warm_up(size: int) -> None:
+    """Imports and decoder set-up, on a small image of each kind (not on the first sample:
+    that may be a huge image, a full decode of its own)."""
+    img = np.full((2 * size, 2 * size, 3), 127, np.uint8)
+    for enc in ("jpeg", "png"):
+        dec.resize(dec.decode(dec.encode(img, enc), min_size=(size, size)), (size, size))
 
 
 def _one(payload: Callable[[int], bytes | np.ndarray], i: int, size: int) -> tuple | None:

@@ -9,11 +9,11 @@ registry.
 from __future__ import annotations
 
 import importlib
-import re
 from pathlib import Path
 
-from packio.errors import FormatError, redact
-from packio.formats.base import FormatSpec, Reader
+from packio.errors import FormatError, is_url, redact
+from packio.formats.base import FormatSpec
+from packio.formats.reader import Reader
 from packio.manifest import MANIFEST_NAME
 
 __all__ = ["FormatSpec", "Reader", "format_for_path", "formats", "get_format", "is_packed", "open_reader",
@@ -92,7 +92,7 @@ def open_reader(path: str | Path | Reader) -> Reader:
     a Reader as is. URLs are opened by ``packio.open_reader`` / ``packio.open_dataset``."""
     if isinstance(path, Reader):
         return path
-    if isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", path):
+    if is_url(path):
         raise FormatError(f"{redact(path)}: a URL; open it with packio.open_dataset(url) or packio.open_reader(url)")
     try:
         return _open_local(Path(path), path)
@@ -114,7 +114,7 @@ def _open_local(p: Path, path: str | Path) -> Reader:
         return spec.reader.open_unlisted(str(path))
     if not p.exists():
         hint = ("; a URL made into a Path (which drops a '/')? pass URLs as strings to packio.open_dataset(url)"
-                if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:/[^/]", str(path)) else "")
+                if is_url(str(path).replace(":/", "://", 1)) else "")
         raise FormatError(f"{redact(path)}: no such file or folder{hint}")
     raise FormatError(f"{path}: not a packed dataset (no {MANIFEST_NAME}, and no format recognises it); "
                       f"pack it first with 'packio convert'")

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from packio import limits
-from packio.errors import FormatError
-from packio.formats.base import (FormatSpec, Reader, RecordFile, StoredBatch, WriteOptions, Writer,
-                                 decode_stored, fixed_image_shape, inside)
+from packio.formats.base import FormatSpec, RecordFile, WriteOptions, Writer, decode_stored, fixed_image_shape
+from packio.formats.reader import Reader, StoredBatch, inside
 from packio.formats.columns import NAMES, ColumnBuffer, Columns
+from packio.formats.parts import part_paths, samples_text
 from packio.formats.spill import SpilledColumn, npy_header
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -136,14 +136,21 @@ class ArrayReader(Reader):
     the map itself."""
 
     COUNT_FILE = RecordFile.IDX
+    reads_batches = True  # one gather per batch into a pixel block
 
     @classmethod
-    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        if "parts" in manifest.extra:
-            return []
-        n, shape = manifest.count, manifest.image.get("shape") or ["H", "W", 3]
-        return [f"arrays:   {path / 'images.npy'} uint8[{n}, {', '.join(map(str, shape))}], labels.npy int64[{n}]"
-                f" (numpy.load(..., mmap_mode='r'))"]
+    def describe(cls, where: str, manifest: Manifest) -> list[str]:
+        shape = ", ".join(map(str, manifest.image.get("shape") or ["H", "W", 3]))
+        if "parts" not in manifest.extra:
+            n = manifest.count
+            return [f"arrays:   {where}/images.npy uint8[{n}, {shape}], labels.npy int64[{n}]"
+                    f" (numpy.load(..., mmap_mode='r'))"]
+        parts = part_paths(where, manifest)
+        return [f"arrays:   {len(parts)} parts, each with images.npy uint8[N, {shape}] and labels.npy int64[N] "
+                "(numpy.load(..., mmap_mode='r')):",
+                *[f"          {folder}/images.npy  # {samples_text(a, n)}" for folder, a, n in parts[:20]],
+                *([f"          ... {len(parts) - 20} more: 'packio info --json' lists every part"] if len(parts) > 20
+                  else [])]
 
     def _open(self) -> None:
         n, shape = self.manifest.count, fixed_image_shape(self.manifest, self.path)
@@ -177,26 +184,14 @@ class ArrayReader(Reader):
         for k in ("_h_images", "_h_flat", "_h_idx", "_h_blob", "_h_meta"):
             self.__dict__.pop(k, None)
 
-    def read(self, i: int) -> Sample:
-        i = self.check_index(i)
-        self._ensure_open()
+    def _load(self, i: int) -> Sample:
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
         self._h_guard.check()
         return decode_stored(rec, np.array(self._h_images[i]), f"#{i}")
 
-    def read_many(self, indices: list[int]) -> list[Sample]:
-        self._ensure_open()
-        idx = np.asarray([self.check_index(i) for i in indices], np.int64)
-        self._h_guard.check()
-        block = self._h_flat[idx]  # one gather from the memory map
-        return [decode_stored(RecordFile.get(self._h_idx, self._h_blob, int(i)), block[j], f"#{i}")
-                for j, i in enumerate(idx)]
-
-    def read_batch(self, indices: Any, threads: Any = None) -> StoredBatch:
+    def _load_batch(self, idx: np.ndarray, threads: Any) -> StoredBatch:
         """One gather of the batch's pixels into a fresh block (``threads`` share the
         copy), and its labels and boxes sliced from the columns: no per-sample records."""
-        self._ensure_open()
-        idx = self.check_indices(indices)
         columns, keys = self._meta()
         self._h_guard.check()  # the maps still hold what their headers claim
         flat = self._h_flat
@@ -211,10 +206,8 @@ class ArrayReader(Reader):
         return StoredBatch(idx, pixels=out, labels=labels, boxes=boxes, counts=counts, box_labels=box_labels,
                            keys=keys[idx].tolist())
 
-    def key(self, i: int) -> str:
+    def _load_key(self, i: int) -> str:
         """From ``keys.npy`` (with the label columns, loaded once): no image, no record read."""
-        i = self.check_index(i)
-        self._ensure_open()
         return str(self._meta()[1][i])
 
     def images(self) -> np.ndarray:

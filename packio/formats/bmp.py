@@ -12,8 +12,9 @@ from typing import Any
 
 from packio import limits
 from packio.errors import CorruptSampleError
-from packio.formats.base import (FormatSpec, Reader, RecordFile, WriteOptions, Writer, contained, decode_stored,
-                                 payload_bytes)
+from packio.formats.base import FormatSpec, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
+from packio.formats.parts import part_paths, samples_text
+from packio.formats.reader import Reader, contained
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -51,10 +52,15 @@ class BMPReader(Reader):
     COUNT_FILE = RecordFile.IDX
 
     @classmethod
-    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        if "parts" in manifest.extra:
-            return []
-        return [f"bmp:      {path / 'images'}/000000/0000000000.bmp ... (one BMP file per sample)"]
+    def describe(cls, where: str, manifest: Manifest) -> list[str]:
+        if "parts" not in manifest.extra:
+            return [f"bmp:      {where}/images/000000/0000000000.bmp ... (one BMP file per sample)"]
+        parts = part_paths(where, manifest)
+        return [f"bmp:      {len(parts)} parts, one BMP file per sample, numbered from 0 in each part:",
+                *[f"          {folder}/images/000000/0000000000.bmp ...  # {samples_text(a, n)}"
+                  for folder, a, n in parts[:20]],
+                *([f"          ... {len(parts) - 20} more: 'packio info --json' lists every part"] if len(parts) > 20
+                  else [])]
 
     def _open(self) -> None:
         self._h_idx, self._h_blob = RecordFile.load(self.path, self.manifest.count)
@@ -65,15 +71,11 @@ class BMPReader(Reader):
         self.__dict__.pop("_h_blob", None)
         self.__dict__.pop("_h_dirs", None)
 
-    def key(self, i: int) -> str:
-        i = self.check_index(i)
-        self._ensure_open()
+    def _load_key(self, i: int) -> str:
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
-        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self.read(i).key
+        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self._load(i).key
 
-    def read(self, i: int) -> Sample:
-        i = self.check_index(i)
-        self._ensure_open()
+    def _load(self, i: int) -> Sample:
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
         key = str(rec.get("key", f"#{i}")) if isinstance(rec, dict) else f"#{i}"
         path = contained(self.path, _rel(i), self._h_dirs)

@@ -22,9 +22,11 @@ import numpy as np
 
 from packio import limits
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, StoredBatch, WriteOptions, Writer, decode_stored,
-                                 file_starts_with, fixed_image_shape, pack_record, payload_bytes, unpack_record)
+from packio.formats.base import (FormatSpec, WriteOptions, Writer, decode_stored, file_starts_with, fixed_image_shape,
+                                 pack_record, payload_bytes, unpack_record)
+from packio.formats.reader import Reader, StoredBatch
 from packio.formats.columns import ColumnBuffer, Columns
+from packio.formats.parts import part_paths, samples_text
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -222,15 +224,24 @@ def _offsets(f: h5py.File, name: str, n: int, size: int, end: int) -> np.ndarray
 
 class HDF5Reader(Reader):
     COUNT_FILE = ""  # the file itself: 8 bytes of record offsets per sample at the least
+    reads_batches = True  # fixed-shape files: one pixel block; others: one h5py read per sample, in turn
+    MANIFEST_BESIDE = False  # an attribute of the file
 
     @classmethod
     def claims(cls, path: str) -> bool:
         return file_starts_with(path, SIGNATURE)
 
     @classmethod
-    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        what = "images uint8[N, H, W, 3]" if manifest.extra.get("fixed_shape") else "images_bytes + offsets"
-        return [f"hdf5:     h5py.File('{path}'): {what}, labels, boxes + box_offsets"]
+    def describe(cls, where: str, manifest: Manifest) -> list[str]:
+        raw = manifest.extra.get("fixed_shape") or manifest.image.get("payload") == "raw"
+        what = f"{'images uint8[N, H, W, 3]' if raw else 'images_bytes + offsets'}, labels, boxes + box_offsets"
+        if "parts" not in manifest.extra:
+            return [f"hdf5:     h5py.File({where!r}): {what}"]
+        parts = part_paths(where, manifest)
+        return [f"hdf5:     {len(parts)} parts, one HDF5 file each ({what}; N counts the part's samples):",
+                *[f"          h5py.File({f!r})  # {samples_text(a, n)}" for f, a, n in parts[:20]],
+                *([f"          ... {len(parts) - 20} more: 'packio info --json' lists every part"] if len(parts) > 20
+                  else [])]
 
     @classmethod
     def open_unlisted(cls, path: str) -> "HDF5Reader":
@@ -319,9 +330,7 @@ class HDF5Reader(Reader):
         a, b = int(self._h_recoff[i]), int(self._h_recoff[i + 1])  # checked at open: 0 <= a <= b <= len
         return unpack_record(self._h_records[a:b].tobytes(), f"#{i}")
 
-    def read(self, i: int) -> Sample:
-        i = self.check_index(i)
-        self._ensure_open()
+    def _load(self, i: int) -> Sample:
         self._check_size()
         rec = self._record(i)
         if self._h_fixed:
@@ -333,13 +342,11 @@ class HDF5Reader(Reader):
             payload = self._h_images[a:b].tobytes()
         return decode_stored(rec, payload, f"#{i}")
 
-    def read_batch(self, indices: Any, threads: Any = None) -> StoredBatch:
+    def _load_batch(self, idx: np.ndarray, threads: Any) -> StoredBatch:
         """Fixed-shape files: one chunk read per image straight into a fresh block,
         labels and boxes from the plain arrays (the keys from the records)."""
-        self._ensure_open()
         if not self._h_fixed:
-            return super().read_batch(indices)
-        idx = self.check_indices(indices)
+            return super()._load_batch(idx, threads)
         self._check_size()
         columns = self._columns()
         d = self._h_images
@@ -361,16 +368,6 @@ class HDF5Reader(Reader):
                         "box_offsets": _array(f, "box_offsets", "<i8", (n + 1,), size)}
             self._h_meta = Columns.checked({k: d[:] for k, d in declared.items()}, n, str(self.path))
         return self._h_meta
-
-    def read_many(self, indices: list[int]) -> list[Sample]:
-        self._ensure_open()
-        if not self._h_fixed or len(indices) < 2:
-            return [self.read(i) for i in indices]
-        idx = np.asarray([self.check_index(i) for i in indices])
-        self._check_size()
-        uniq, inv = np.unique(idx, return_inverse=True)
-        block = self._h_images[uniq]  # h5py wants increasing indices: one read, then reorder
-        return [decode_stored(self._record(int(i)), block[j], f"#{i}") for i, j in zip(idx, inv)]
 
 
 FORMAT = FormatSpec(name="hdf5", suffixes=(".h5", ".hdf5"), writer=HDF5Writer, reader=HDF5Reader,

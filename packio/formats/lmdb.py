@@ -16,8 +16,9 @@ import numpy as np
 
 from packio import limits
 from packio.errors import CorruptSampleError, FormatError
-from packio.formats.base import (FormatSpec, Reader, WriteOptions, Writer, decode_stored, inside, pack_record,
-                                 payload_bytes, unpack_record)
+from packio.formats.base import FormatSpec, WriteOptions, Writer, decode_stored, pack_record, payload_bytes, unpack_record
+from packio.formats.parts import part_paths, samples_text
+from packio.formats.reader import Reader, inside
 from packio.manifest import Manifest
 from packio.sample import Sample
 
@@ -40,7 +41,7 @@ class LMDBWriter(Writer):
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         try:  # a disk too full for LMDB's lock and meta pages fails here
-            self._env = lmdb.open(str(path), map_size=self._map_size, subdir=True, sync=False,
+            self._env = lmdb.open(os.fsencode(path), map_size=self._map_size, subdir=True, sync=False,
                                   metasync=False, readahead=False, meminit=False, max_dbs=0)
         except lmdb.Error as exc:
             raise self._write_error(exc) from None
@@ -133,7 +134,7 @@ def _shared_env(path: Path, ident: str) -> lmdb.Environment:
     if key not in _ENVS:
         # lock=False: readers never write; readahead stays on (shared/PERF-NOTES.md:
         # LMDB lost 32-41% cold with readahead=False on this kind of machine).
-        _ENVS[key] = [lmdb.open(key[0], readonly=True, lock=False, subdir=True, readahead=True,
+        _ENVS[key] = [lmdb.open(os.fsencode(key[0]), readonly=True, lock=False, subdir=True, readahead=True,
                                 meminit=False, max_readers=2048), 0]
     _ENVS[key][1] += 1
     return _ENVS[key][0]
@@ -202,9 +203,16 @@ class LMDBReader(Reader):
     MIN_SAMPLE_BYTES = 16  # a 10-byte key and an 8-byte node header at the least
 
     @classmethod
-    def describe(cls, path: Path, manifest: Manifest) -> list[str]:
-        return [f"lmdb:     lmdb.open('{path}', readonly=True, lock=False): key %010d → "
-                f"u32le length | msgpack record | image bytes"]
+    def describe(cls, where: str, manifest: Manifest) -> list[str]:
+        value = "u32le length | msgpack record | image bytes"
+        if "parts" not in manifest.extra:
+            return [f"lmdb:     lmdb.open({where!r}, readonly=True, lock=False): key %010d → {value}"]
+        parts = part_paths(where, manifest)
+        lines = [f"lmdb:     {len(parts)} parts, one LMDB environment each; in each, key %010d from 0 → {value}:"]
+        lines += [f"          lmdb.open({folder!r}, readonly=True, lock=False)  # {samples_text(a, n)}"
+                  for folder, a, n in parts[:20]]
+        return lines + ([f"          ... {len(parts) - 20} more, the same way: see 'packio info --json' for every "
+                         "part"] if len(parts) > 20 else [])
 
     def _open(self) -> None:
         data = inside(self.path, "data.mdb")
@@ -290,21 +298,17 @@ class LMDBReader(Reader):
             raise CorruptSampleError(f"#{i}", "record length runs past the value")
         return value, n
 
-    def read(self, i: int) -> Sample:
-        i = self.check_index(i)
-        self._ensure_open()
+    def _load(self, i: int) -> Sample:
         value, n = self._split(i)
         rec = unpack_record(value[4:4 + n], f"#{i}")
         return decode_stored(rec, bytes(value[4 + n:]), f"#{i}")
 
-    def key(self, i: int) -> str:
+    def _load_key(self, i: int) -> str:
         """The record's key alone: the payload behind it is neither copied nor decoded
         (an append checks every stored key)."""
-        i = self.check_index(i)
-        self._ensure_open()
         value, n = self._split(i)
         rec = unpack_record(value[4:4 + n], f"#{i}")
-        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self.read(i).key
+        return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self._load(i).key
 
 
 FORMAT = FormatSpec(name="lmdb", suffixes=(".lmdb",), writer=LMDBWriter, reader=LMDBReader,

@@ -1,6 +1,7 @@
-"""Multi-part datasets (written by distributed conversion): a folder whose manifest
-lists parts, each a complete dataset of the same format. Global indexing runs
-across the parts in order; streaming uses each part's units."""
+"""Multi-part datasets (written by distributed conversion or ``convert --append``): a
+folder whose manifest lists parts, each a complete dataset of the same format, by path,
+count and manifest id. Global indexing runs across the parts in order; streaming uses
+each part's units."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from typing import Any
 import numpy as np
 
 from packio import limits
-from packio.errors import FormatError
-from packio.formats.base import FormatSpec, Reader, inside
+from packio.errors import DatasetReplacedError, FormatError
+from packio.formats.base import FormatSpec
+from packio.formats.reader import Reader, inside
 from packio.manifest import MANIFEST_NAME, Manifest
 from packio.sample import Sample
 
-__all__ = ["MultiPartReader"]
+__all__ = ["MultiPartReader", "part_paths", "samples_text"]
 
 
 class MultiPartReader(Reader):
@@ -27,7 +29,7 @@ class MultiPartReader(Reader):
         parts = manifest.extra.get("parts")
         if not isinstance(parts, list) or not all(
                 isinstance(p, dict) and isinstance(p.get("path"), str) and isinstance(p.get("count"), int)
-                for p in parts):
+                and isinstance(p.get("id", ""), str) for p in parts):
             raise FormatError(f"{path}: manifest 'parts' is malformed; re-pack the dataset")
         self.parts: list[Reader] = []
         seen: set[Path] = set()
@@ -48,21 +50,27 @@ class MultiPartReader(Reader):
     def _part(path: Path, p: dict[str, Any], manifest: Manifest, spec: FormatSpec) -> Reader:
         """The reader of one listed part: a sub-folder dataset, or (a dataset grown by
         ``convert --append``) the top folder's own files, described by the manifest file
-        the part names."""
+        the part names. A part listed with its manifest id must still hold that id."""
         sub = inside(path, p["path"])
         if sub != path.resolve():
             m = spec.reader.read_manifest(sub)
-            if m.format != manifest.format or "parts" in m.extra:
-                raise FormatError(f"{sub}: not a {manifest.format} part; the dataset is damaged, re-pack it")
-            return spec.reader(sub, m)
-        name = p.get("manifest")
-        if not isinstance(name, str) or name == MANIFEST_NAME or "/" in name:
-            raise FormatError(f"{path}: part {p['path']!r} is the dataset itself; re-pack the dataset")
-        where = inside(path, name)
-        m = Manifest.from_json(limits.read_regular(where, limits.MAX_MANIFEST_BYTES), str(where))
+            where, folder = sub, sub
+        else:
+            name = p.get("manifest")
+            if not isinstance(name, str) or name == MANIFEST_NAME or "/" in name:
+                raise FormatError(f"{path}: part {p['path']!r} is the dataset itself; re-pack the dataset")
+            where, folder = inside(path, name), path
+            m = Manifest.from_json(limits.read_regular(where, limits.MAX_MANIFEST_BYTES), str(where))
+        if "id" in p and m.id != p["id"]:
+            named = f"{p['path']!r}" + (f" (manifest {where.name})" if folder == path else "")
+            raise DatasetReplacedError(
+                f"{path}: its part {named} is not the one {MANIFEST_NAME} lists (id "
+                f"{m.id or 'none'}, listed {p['id'] or 'none'}): the part was replaced or grown on its own, by a "
+                f"conversion into it or by hand. Put the original part back, or re-pack the dataset; a part is "
+                f"never a conversion target: append to {path.name} itself")
         if m.format != manifest.format or "parts" in m.extra:
             raise FormatError(f"{where}: not a {manifest.format} part; the dataset is damaged, re-pack it")
-        return spec.reader(path, m)
+        return spec.reader(folder, m)
 
     def check_stored(self) -> list[str]:
         return [f"{r.path.name if r.path != self.path else '.'}: {line}" for r in self.parts
@@ -76,15 +84,14 @@ class MultiPartReader(Reader):
             r.close()
 
     def _locate(self, i: int) -> tuple[Reader, int]:
-        i = self.check_index(i)
         k = bisect.bisect_right(self.starts, i) - 1
         return self.parts[k], i - self.starts[k]
 
-    def read(self, i: int) -> Sample:
+    def _load(self, i: int) -> Sample:
         reader, j = self._locate(i)
         return reader.read(j)
 
-    def key(self, i: int) -> str:
+    def _load_key(self, i: int) -> str:
         reader, j = self._locate(i)
         return reader.key(j)
 
@@ -96,3 +103,28 @@ class MultiPartReader(Reader):
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _pid=None)
+
+
+def part_paths(where: str, manifest: Manifest) -> list[tuple[str, int, int]]:
+    """(folder or file, as text, first sample, samples) of each part the manifest lists, below
+    ``where`` (a folder or a URL), in order, for the
+    lines that tell how to open them with other tools; ``[(path, 0, count)]`` for a dataset
+    of one part. Entries a reader would refuse (a path leading out, a count that is not
+    one) are left out: these lines name files, they never open them."""
+    parts = manifest.extra.get("parts")
+    if not isinstance(parts, list):
+        return [(where, 0, manifest.count)]
+    out, start = [], 0
+    for p in parts:
+        rel, n = (p.get("path"), p.get("count")) if isinstance(p, dict) else (None, None)
+        if not isinstance(rel, str) or rel.startswith("/") or ".." in Path(rel).parts \
+                or not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return out
+        out.append((f"{where.rstrip('/')}/{rel}", start, n))
+        start += n
+    return out
+
+
+def samples_text(first: int, n: int) -> str:
+    """``samples 0 to 243`` of a part (``no samples`` when it is empty)."""
+    return f"samples {first:,} to {first + n - 1:,}" if n else "no samples"

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from packio.errors import PackioError, SourceError
-from packio.formats.base import Reader
+from packio.formats.reader import Reader
 from packio.options import PackOptions, merge_options
 from packio.pack.append import (Relabeled, check_keys, commit_part, existing, first_key, merge_names, part_name,
-                                stored_options)
+                                stored_options, unlabelled)
 from packio.pack.commit import check_output, output_lock, remove, staged, temp_name, terminate_cleanly
 from packio.pack.distributed import client_for, write_parts
-from packio.pack.plan import Source, check_request, declared_shape, open_source, output_format, plan
+from packio.pack.plan import Source, check_request, declared_shape, open_source, output_format, plan, readable_csv
 from packio.pack.prepare import Packed, Result, Skipped
 from packio.pack.report import Summary, summarize
 from packio.pack.split_listing import SPILL, split_source
@@ -82,14 +82,14 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
     options, t0 = merge_options(PackOptions, options, fields, "convert"), time.perf_counter()
     src, dst, spec, packed = check_request(src, dst, options, csv=csv, columns=columns, workers=workers, parts=parts,
                                            overwrite=overwrite, append=append, scheduler=scheduler)
-    with terminate_cleanly(), output_lock(dst):
+    with terminate_cleanly(), output_lock(dst), readable_csv(csv, dst) as at:  # a piped CSV: read once, here
         if append:
-            return _append(src, dst, options, packed, csv, columns, strict, follow_symlinks, workers, progress, t0)
+            return _append(src, dst, options, packed, at, columns, strict, follow_symlinks, workers, progress, t0, csv)
         check_output(dst, overwrite)  # again, under the lock
         if scheduler is not None and not packed:
-            return _split(src, dst, spec, options, csv, columns, strict, follow_symlinks, progress, scheduler, parts,
-                          overwrite, t0)
-        source = _noted(open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks))
+            return _split(src, dst, spec, options, at, columns, strict, follow_symlinks, progress, scheduler, parts,
+                          overwrite, t0, csv)
+        source = _noted(open_source(src, packed, at, columns, strict=strict, follow_symlinks=follow_symlinks), at, csv)
         job, fn = plan(spec, options, source, strict)
         with staged(dst, overwrite) as tmp:  # committed to dst when the block ends, removed if it fails
             part = _write(job, fn, source, tmp, workers=workers, progress=progress, scheduler=scheduler, parts=parts)
@@ -98,7 +98,7 @@ def convert(src: str | Path | Reader, dst: str | Path, *, options: PackOptions |
 
 def _split(src: Path, dst: Path, spec: Any, options: PackOptions, csv: str | Path | None,
            columns: dict[str, str] | None, strict: bool, follow_symlinks: bool, progress: bool | None, scheduler: Any,
-           parts: int | None, overwrite: bool, t0: float) -> Summary:
+           parts: int | None, overwrite: bool, t0: float, given_csv: str | Path | None) -> Summary:
     """An image folder packed by Dask tasks, its listing made by them too (:mod:`packio.pack.split_listing`)."""
     client, owned = client_for(scheduler)
     try:
@@ -106,7 +106,7 @@ def _split(src: Path, dst: Path, spec: Any, options: PackOptions, csv: str | Pat
             tmp.mkdir()
             workers = max(1, len(client.scheduler_info().get("workers", {})))
             source = _noted(split_source(client, src, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
-                                         spill=tmp.absolute() / SPILL, workers=workers))
+                                         spill=tmp.absolute() / SPILL, workers=workers), csv, given_csv)
             job, fn = plan(spec, options, source, strict)
             part = _write(job, fn, source, tmp, workers=0, progress=progress, scheduler=client, parts=parts)
         return summarize(dst, spec.name, source.problems, part, t0)
@@ -115,8 +115,18 @@ def _split(src: Path, dst: Path, spec: Any, options: PackOptions, csv: str | Pat
             client.close()
 
 
-def _noted(source: Source) -> Source:
-    """``source`` with a note for each group of its class names that differ only in case."""
+def _given(source: Source, at: str | Path | None, csv: str | Path | None) -> Source:
+    """``source``, its record and problems naming the CSV given, not the copy of a piped one."""
+    if at != csv:
+        source.info["csv"] = str(csv)
+        source.problems[:] = [p.replace(str(at), str(csv)) for p in source.problems]
+    return source
+
+
+def _noted(source: Source, at: str | Path | None, csv: str | Path | None) -> Source:
+    """``source`` with a note for each group of its class names that differ only in case,
+    naming the CSV given (see :func:`_given`)."""
+    _given(source, at, csv)
     source.notes.update(case_notes(source.classes) + case_notes(source.box_classes or [], what="box class"))
     return source
 
@@ -138,11 +148,15 @@ def _write(job: Job, fn: Callable[[Any], Result], source: Source, tmp: Path, *, 
 
 def _append(src: Path | Reader, dst: Path, options: PackOptions, packed: bool, csv: str | Path | None,
             columns: dict[str, str] | None, strict: bool, follow_symlinks: bool, workers: int | str,
-            progress: bool | None, t0: float) -> Summary:
+            progress: bool | None, t0: float, given_csv: str | Path | None) -> Summary:
     """Pack ``src`` as one more part of the dataset at ``dst`` (see packio.pack.append)."""
     old = existing(dst)
     options = stored_options(dst, old, options)
-    source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
+    # the target's rule: where it has classes, the source's folders are classes, even one
+    source = open_source(src, packed, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
+                         folder_classes=bool(old.classes))
+    _given(source, csv, given_csv)
+    unlabelled(source, dst, old)
     classes, label_ids = merge_names(old.classes, source.classes)
     box_classes, box_ids = None, label_ids  # box labels index the classes, in both
     if old.box_classes is not None or source.box_classes is not None:

@@ -9,6 +9,11 @@ opened before keeps reading its version: the new manifest names the ids it exten
 becomes a multi-part one whose first part is its own folder (``"path": "."``, its old
 manifest kept as ``part-00000.json``). One code path serves every folder format; an
 in-place LMDB append would change what an open reader's count means.
+
+The top manifest names each part by its manifest id as well as its path: a part
+replaced or grown on its own no longer opens as part of the dataset. Parts listed by a
+packio from before ids (path and count only) still open, checked by count; an append
+records their ids.
 """
 
 from __future__ import annotations
@@ -26,15 +31,15 @@ from packio import census
 from packio.decode import ResizeSpec
 from packio.errors import FormatError, PackioError
 from packio.formats import get_format, open_reader
-from packio.formats.base import Reader
-from packio.manifest import DIGEST, MANIFEST_NAME, Manifest, describe_files, file_digest
+from packio.formats.reader import Reader, inside
+from packio.manifest import DIGEST, MANIFEST_NAME, Manifest, describe_files, file_digest, manifest_id
 from packio.options import PackOptions
 from packio.pack.commit import TMP_MARK, fsync_tree, remove, stale, temp_name
 from packio.pack.prepare import Packed, Result
 from packio.sources.names import class_name
 
 __all__ = ["BASE_PART", "existing", "stored_options", "merge_names", "Relabeled", "first_key", "part_entry",
-           "commit_part"]
+           "with_id", "commit_part", "unlabelled"]
 
 BASE_PART = "part-00000.json"  # the manifest of a single-part dataset's own files, once it has grown
 
@@ -73,6 +78,19 @@ def stored_options(dst: Path, m: Manifest, options: PackOptions) -> PackOptions:
             raise PackioError(f"{dst} stores {name}={shown!r}, but this append asks for {name}={given!r}: every "
                               f"part keeps the dataset's settings; drop that option (or convert into a new dataset)")
     return dataclasses.replace(options, **stored)
+
+
+def unlabelled(source: Any, dst: Path, old: Manifest) -> None:
+    """Refuse a source that would give a labelled dataset images without a label: one
+    with no class names at all (flat images, or a packed dataset without classes)."""
+    if old.classes and not source.classes:
+        shown = ", ".join(old.classes[:5]) + (", ..." if len(old.classes) > 5 else "")
+        what = ("its samples have no class names" if source.reader is not None else
+                "its images sit in no class folder and no CSV gives them a label")
+        raise PackioError(f"{source.path}: {what}, but {dst} is labelled (classes: {shown}); appended as they are, "
+                          f"every one would get label -1. Put the images in class folders ({source.path}/"
+                          f"{old.classes[0]}/..., or a new class's name), or give a CSV with a label column; "
+                          f"nothing was appended")
 
 
 def merge_names(old: list[str], new: list[str]) -> tuple[list[str], np.ndarray]:
@@ -176,6 +194,7 @@ def commit_part(dst: Path, old: Manifest, tmp: Path, name: str, part: dict[str, 
         _write_atomic(dst / BASE_PART, (dst / MANIFEST_NAME).read_text())
         base = {BASE_PART: {"bytes": (dst / BASE_PART).stat().st_size, DIGEST: file_digest(dst / BASE_PART)}}
     top = top_manifest(old, part, name, {**old.files, **base, **_prefixed(dst / name, name)})
+    top.extra["parts"][:-1] = [with_id(dst, p) for p in top.extra["parts"][:-1]]
     _fsync_dir(dst)
     _write_atomic(dst / MANIFEST_NAME, top.to_json())
     return top
@@ -185,7 +204,7 @@ def top_manifest(old: Manifest, part: dict[str, Any], name: str, files: dict[str
     """The manifest of the grown dataset: every part with its count, the merged names,
     the summed counts, the ids it extends."""
     new: Manifest = part["manifest"]
-    parts = old.extra.get("parts") or [{"path": ".", "manifest": BASE_PART, "count": old.count}]
+    parts = old.extra.get("parts") or [{"path": ".", "manifest": BASE_PART, "count": old.count, "id": old.id}]
     versions = [*old.extra.get("versions", []), old.id]
     s, n = old.summary, new.summary
     image = {**old.image, "quality": old.image.get("quality") or new.image.get("quality"),
@@ -203,10 +222,19 @@ def top_manifest(old: Manifest, part: dict[str, Any], name: str, files: dict[str
 
 
 def part_entry(name: str, m: Manifest) -> dict[str, Any]:
-    """A top manifest's entry for the part ``name`` with manifest ``m``: its count, and
-    its first member key where the format names members by number (tar)."""
+    """A top manifest's entry for the part ``name`` with manifest ``m``: its count, its
+    manifest id, and its first member key where the format names members by number (tar)."""
     k = m.extra.get("first_key")
-    return {"path": name, "count": m.count, **({"first_key": k} if k else {})}
+    return {"path": name, "count": m.count, "id": m.id, **({"first_key": k} if k else {})}
+
+
+def with_id(dst: Path, part: dict[str, Any]) -> dict[str, Any]:
+    """A listed part's entry with its manifest id (one listed before ids were recorded
+    gets the id of the part the append just opened and counted)."""
+    if "id" in part:
+        return part
+    base = os.path.normpath(part["path"]) == "."
+    return {**part, "id": manifest_id(inside(dst, part["manifest"] if base else f"{part['path']}/{MANIFEST_NAME}"))}
 
 
 def _prefixed(root: Path, name: str) -> dict[str, Any]:

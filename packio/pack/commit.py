@@ -20,11 +20,11 @@ from typing import Any, Iterator
 
 from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError
 from packio.formats import open_reader
-from packio.formats.base import Reader
-from packio.manifest import MANIFEST_NAME
+from packio.formats.reader import Reader
+from packio.manifest import MANIFEST_NAME, trust_manifest
 
-__all__ = ["TMP_MARK", "check_output", "output_lock", "terminate_cleanly", "staged", "temp_name", "commit",
-           "clean_stale", "stale", "is_dataset", "remove", "fsync_tree"]
+__all__ = ["TMP_MARK", "check_output", "check_not_inside_dataset", "output_lock", "terminate_cleanly", "staged",
+           "temp_name", "commit", "clean_stale", "stale", "is_dataset", "remove", "fsync_tree"]
 
 TMP_MARK = ".packio-tmp-"
 
@@ -87,6 +87,32 @@ def is_dataset(path: Path) -> bool:
         return False
 
 
+def check_not_inside_dataset(dst: Path) -> None:
+    """Refuse an output inside a packio folder dataset (symlinks resolved): a part of a
+    grown dataset written on its own would no longer be the part its top manifest lists,
+    and any other file there is not the dataset's."""
+    near_first = sorted({*Path(os.path.abspath(dst)).parents, *Path(os.path.realpath(dst)).parents},
+                        key=lambda p: -len(p.parts))
+    for above in near_first:
+        if not (above / MANIFEST_NAME).is_file():
+            continue
+        try:
+            with trust_manifest():  # an edited manifest still marks a dataset's folder
+                parts = Reader.read_manifest(above).extra.get("parts")
+        except (FormatError, OSError):
+            continue  # not a packio manifest: not a dataset's folder
+        listed = [os.path.normpath(p["path"]) for p in parts if isinstance(p, dict) and isinstance(p.get("path"), str)
+                  ] if isinstance(parts, list) else []
+        rel = os.path.relpath(os.path.realpath(dst), os.path.realpath(above))
+        if rel in listed:
+            raise PackioError(f"{dst} is part {listed.index(rel) + 1} of the dataset {above}, which lists each "
+                              f"part by id: converting into a part alone would change it under the dataset, which "
+                              f"would then refuse to open. Append to the whole dataset (packio convert SRC {above} "
+                              f"--append), or write elsewhere")
+        raise PackioError(f"{dst} lies inside the packio dataset {above}, whose folder holds only its own files; "
+                          f"write the output elsewhere")
+
+
 def check_output(dst: Path, overwrite: bool) -> None:
     """Refuse an existing ``dst`` unless ``overwrite`` is given and it is a packio dataset."""
     if not os.path.lexists(dst):
@@ -102,10 +128,13 @@ def check_output(dst: Path, overwrite: bool) -> None:
 @contextlib.contextmanager
 def output_lock(dst: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``dst`` for the whole conversion (a lock file beside
-    it): a second conversion to the same path fails at once instead of racing this one."""
+    it): a second conversion to the same path fails at once instead of racing this one.
+    The lock is the resolved path's: two appends through a symlink and the real name
+    would otherwise both commit, the second dropping the first's part."""
     import fcntl
 
-    path = dst.with_name(f".{dst.name}.packio-lock")
+    real = Path(os.path.realpath(dst))
+    path = real.with_name(f".{real.name}.packio-lock")
     while True:
         try:
             # never through a planted symlink (it would create a file where it points), never blocking

@@ -5,30 +5,33 @@ manifest records) with the function that prepares one input."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
-import re
+import shutil
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from packio import census, limits
-from packio.errors import FormatError, PackioError, SourceError
+from packio.errors import FormatError, PackioError, SourceError, is_url
 from packio.formats import format_for_path, formats, get_format, is_packed, open_reader
-from packio.formats.base import FormatSpec, Reader, WriteOptions
+from packio.formats.base import FormatSpec, WriteOptions
+from packio.formats.reader import Reader
 from packio.manifest import Manifest
 from packio.options import PackOptions
-from packio.pack.commit import check_output
+from packio.pack.commit import check_not_inside_dataset, check_output, remove, temp_name
 from packio.pack.prepare import Prep, Result, prepare_file, prepare_packed
 from packio.pack.report import history_of
 from packio.pack.workers import cpus
 from packio.pack.write import Job
 from packio.sources import scan_source
 
-__all__ = ["Source", "check_request", "open_source", "plan", "output_format", "plan_shards", "declared_shape",
-           "MIN_SHARD_SAMPLES", "MAX_SHARD_SAMPLES"]
+__all__ = ["Source", "check_request", "readable_csv", "open_source", "plan", "output_format", "plan_shards",
+           "declared_shape", "MIN_SHARD_SAMPLES", "MAX_SHARD_SAMPLES"]
 
 # Tar shards per dataset: max(8, 2 x CPUs here, samples / MAX), but no shard under MIN samples.
 MIN_SHARD_SAMPLES, MAX_SHARD_SAMPLES = 8, 10_000
@@ -59,7 +62,7 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
     """``src`` (a path, or a reader opened already: a URL, opened by packio.convert) and
     ``dst`` as a path, the output's format and whether ``src`` is a packed dataset, once
     every check that needs no lock passed."""
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", str(dst)):
+    if is_url(str(dst)):
         raise PackioError(f"{dst}: a URL; convert to it with packio.convert (it packs locally, then uploads)")
     given = src if isinstance(src, Reader) else None
     src, dst = Path(str(src)), Path(str(dst).rstrip("/"))
@@ -84,6 +87,7 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
     if append and (overwrite or scheduler is not None):
         raise PackioError(f"{dst}: --append adds to the dataset; it cannot be combined with "
                           f"{'--overwrite' if overwrite else '--scheduler'} (drop one of them)")
+    check_not_inside_dataset(dst)
     if not append:
         check_output(dst, overwrite)
     if not dst.parent.is_dir():
@@ -91,9 +95,40 @@ def check_request(src: str | Path | Reader, dst: str | Path, options: PackOption
     return src if given is None else given, dst, spec, packed_src
 
 
+@contextlib.contextmanager
+def readable_csv(csv: str | Path | None, dst: Path) -> Iterator[str | Path | None]:
+    """``csv``, or, when it is a pipe or FIFO (``--csv <(zcat a.csv.gz)``), a copy of what it
+    held, read once into a temporary file beside the output (where a Dask worker reads it
+    too), removed when the block ends. Errors inside name ``csv``, never the copy."""
+    try:
+        piped = csv is not None and stat.S_ISFIFO(os.stat(csv).st_mode)
+    except OSError:
+        piped = False  # the CSV reader names the problem
+    if not piped:
+        yield csv
+        return
+    tmp = temp_name(dst)
+    tmp = tmp.with_name(f"{tmp.name}.csv")  # cleaned as the output's temporaries are, once its process is gone
+    try:
+        try:
+            with open(csv, "rb") as pipe, open(tmp, "xb") as out:  # type: ignore[arg-type]
+                shutil.copyfileobj(pipe, out, 1 << 20)
+        except OSError as exc:
+            raise SourceError(f"{csv}: the CSV stream could not be read or copied beside {dst} "
+                              f"({exc.strerror or exc}); save it to a file and give that") from None
+        yield tmp
+    except PackioError as exc:
+        if str(tmp) not in str(exc):
+            raise
+        raise type(exc)(str(exc).replace(str(tmp), str(csv))) from None
+    finally:
+        remove(tmp)
+
+
 def open_source(src: Path | Reader, packed: bool, csv: str | Path | None, columns: dict[str, str] | None, *,
-                strict: bool, follow_symlinks: bool) -> Source:
-    """The inputs of ``src``: a packed dataset's samples, or an image folder's listing."""
+                strict: bool, follow_symlinks: bool, folder_classes: bool = False) -> Source:
+    """The inputs of ``src``: a packed dataset's samples, or an image folder's listing
+    (``folder_classes``: see :func:`packio.sources.scan_source`)."""
     if packed:
         reader = src if isinstance(src, Reader) else open_reader(src)
         # str, not Path: Path folds a URL's "//"; a remote reader's str never holds credentials
@@ -104,7 +139,8 @@ def open_source(src: Path | Reader, packed: bool, csv: str | Path | None, column
         if not source.tasks:
             raise SourceError(f"{src}: the packed dataset holds no samples; nothing to convert")
         return source
-    scan = scan_source(src, csv, columns, strict=strict, follow_symlinks=follow_symlinks)
+    scan = scan_source(src, csv, columns, strict=strict, follow_symlinks=follow_symlinks,
+                       folder_classes=folder_classes)
     info = {"path": str(src), "csv": str(csv) if csv else None, **scan.info}
     info["csv_unused_text"] = census.unused_text_columns(csv, scan.info.get("csv_columns"))
     if not scan.items:

@@ -16,13 +16,14 @@ from packio import decode as dec
 from packio import geometry as geo
 from packio import limits
 from packio.errors import DatasetReplacedError, PackioError, RemoteError
-from packio.formats.base import Reader
-from packio.sample import Sample, checksum, unstorable
+from packio.formats.reader import Reader
+from packio.sample import Sample, checksum, text_key, unstorable
 from packio.sources import SourceItem, boxes_to_stored_frame, read_image_file
 
-__all__ = ["Prep", "Packed", "Skipped", "Result", "REORIENTED", "prepare_file", "prepare_packed"]
+__all__ = ["Prep", "Packed", "Skipped", "Result", "REORIENTED", "ENLARGED", "enlarges", "prepare_file", "prepare_packed"]
 
 REORIENTED = "EXIF-rotated image stored upright (pixels and boxes turned, re-encoded)"
+ENLARGED = "image smaller than the resize asks, enlarged (stored with more pixels than it has)"
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def _finish(prep: Prep, s: Sample, where: str, orientation: int | None = None) -
         if orientation != 1:
             boxes = geo.orient(boxes, orientation, img.shape[1], img.shape[0])
             img = np.ascontiguousarray(geo.orient_image(img, orientation))
+        enlarged = prep.resize.active and enlarges(prep.resize, *img.shape[:2])
         if prep.resize.active:
             img, boxes, box_labels = dec.apply_spec(img, boxes, box_labels, prep.resize)
         if prep.shape is not None and img.shape[:2] != prep.shape:
@@ -127,7 +129,14 @@ def _finish(prep: Prep, s: Sample, where: str, orientation: int | None = None) -
     out = Sample(key=s.key, payload=payload, encoding=to, label=s.label, boxes=boxes,
                  box_labels=box_labels, width=img.shape[1], height=img.shape[0], meta=meta)
     out.checksum = checksum(out.payload)
-    return _storable(Packed(out, found, False, where, (REORIENTED,) if orientation != 1 else ()))
+    notes = ((REORIENTED,) if orientation != 1 else ()) + ((ENLARGED,) if enlarged else ())
+    return _storable(Packed(out, found, False, where, notes))
+
+
+def enlarges(spec: dec.ResizeSpec, h: int, w: int) -> bool:
+    """Whether ``spec`` scales an ``h``×``w`` image up (before any crop): more pixels, no detail."""
+    th, tw = spec.target(h, w)
+    return th * tw > h * w
 
 
 def _storable(p: Packed) -> Result:
@@ -156,7 +165,7 @@ def prepare_file(prep: Prep, item: SourceItem) -> Result:
     if isinstance(placed, str):
         return Skipped("CSV width/height fit neither the image nor its EXIF-upright view", f"{item.path} ({placed})")
     boxes, notes = placed
-    s = Sample(key=item.key, payload=data, encoding=enc, label=item.label, boxes=boxes,
+    s = Sample(key=text_key(item.key), payload=data, encoding=enc, label=item.label, boxes=boxes,
                box_labels=np.asarray(item.box_labels, np.int64), width=w, height=h)
     s.checksum = checksum(data)
     out = _finish(prep, s, item.path, orientation)
@@ -173,4 +182,5 @@ def prepare_packed(prep: Prep, index: int) -> Result:
         return Skipped("corrupt sample in the source dataset", f"#{index} ({exc})")
     if s.checksum and checksum(s.payload) != s.checksum:  # never launder damage into a fresh checksum
         return Skipped("corrupt sample in the source dataset", f"#{index} {s.key} (checksum mismatch)")
+    s.key = text_key(s.key)  # a stranger's record may hold a lone surrogate: stored as \xNN text
     return _finish(prep, s, s.key)

@@ -13,6 +13,7 @@ from typing import Any
 from packio import census
 from packio.formats import formats
 from packio.manifest import Manifest, count_text, disk_bytes
+from packio.pack.prepare import ENLARGED
 
 __all__ = ["Summary", "describe_output", "describe_history", "history_of", "image_facts", "summarize"]
 
@@ -29,12 +30,27 @@ class Summary:
     info: dict[str, Any] = field(default_factory=dict)
     manifest: Manifest | None = None
 
+    def line(self) -> str:
+        """The summary in one line (``convert --quiet``): what was packed, skipped, appended."""
+        appended = f"; appended: {self.info['appended']}" if self.info.get("appended") else ""
+        return (f"packed {self.packed} samples into {self.output} ({self.format}, {self.bytes / 1e6:.1f} MB) in "
+                f"{self.seconds:.1f} s, skipped {sum(self.skipped.values())}{appended}")
+
+    def warnings(self) -> list[str]:
+        """What asks for the user's attention: images the resize enlarged, an image folder
+        packed with no label at all, boxes left without a class (the summary prints these;
+        ``--quiet`` too, on stderr)."""
+        if self.manifest is None:
+            return []
+        boxes = [line for line in census.describe(self.manifest) if line.startswith("warning:")]
+        return boxes + _warnings(self.manifest, self.info.get("notes") or {}, self.packed)
+
     def text(self) -> str:
         skipped = sum(self.skipped.values())
         lines = [f"packed {self.packed} samples into {self.output} ({self.format}, "
                  f"{self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s"]
         if self.manifest is not None and "://" not in self.output:  # a URL: 'packio info URL' describes it
-            lines += describe_output(Path(self.output), self.manifest)
+            lines += describe_output(self.output, self.manifest)
         if self.manifest is not None:
             lines += census.describe(self.manifest)
         if self.info.get("workers"):
@@ -46,8 +62,29 @@ class Summary:
         lines += [f"  {n:6d}  {reason}" for reason, n in sorted(self.skipped.items())]
         if self.info.get("duplicate_content"):
             lines.append(f"note: {self.info['duplicate_content']} samples are byte-identical to another (kept)")
-        lines += [f"note: {n} x {what}" for what, n in sorted(self.info.get("notes", {}).items())]
-        return "\n".join(lines)
+        lines += [f"note: {n} x {what}" for what, n in sorted(self.info.get("notes", {}).items()) if what != ENLARGED]
+        extra = _warnings(self.manifest, self.info.get("notes") or {}, self.packed) if self.manifest else []
+        return "\n".join(lines + extra)  # the census lines above hold its own warnings
+
+
+def _warnings(m: Manifest, notes: dict[str, Any], packed: int) -> list[str]:
+    out = []
+    enlarged = notes.get(ENLARGED, 0)
+    r = m.image.get("resize") if isinstance(m.image.get("resize"), dict) else {}
+    if enlarged:
+        option = "--short-side" if r.get("short_side") else "--size" if r.get("size") else "size"
+        asked = (f"--short-side {r['short_side']}" if r.get("short_side") else
+                 f"--size {_dims(r['size'])}" if r.get("size") else "the resize")
+        out.append(f"warning:  {enlarged} of {packed} images are smaller than {asked} asks and were enlarged: stored "
+                   f"with more pixels than they have (larger files, no detail gained); a smaller {option} keeps them "
+                   "as they are")
+    a = m.summary.get("annotations") if isinstance(m.summary.get("annotations"), dict) else {}
+    from_folder = not m.source.get("csv") and not m.source.get("packed_format") and "foreign" not in m.source
+    if from_folder and packed and not a.get("labels") and not a.get("boxes") and a.get("images_without_label"):
+        out.append("hint:     no image has a label (a flat or single-folder source, and no --csv): label them "
+                   "with --csv FILE (columns filename,label; csv= in Python), or sort them into one sub-folder per "
+                   "class")
+    return out
 
 
 def history_of(m: Manifest) -> list[dict[str, Any]]:
@@ -77,10 +114,11 @@ def summarize(dst: Path, format: str, problems: list[str], part: dict[str, Any],
                          "workers": part.get("workers")}, manifest=part["manifest"])
 
 
-def describe_output(path: Path, m: Manifest) -> list[str]:
-    """Lines telling how to open ``path`` with the neighbours' tools, and what its images are."""
+def describe_output(where: str, m: Manifest) -> list[str]:
+    """Lines telling how to open the dataset whose files lie at ``where`` (a folder, a
+    file, or the URL they are served at) with the neighbours' tools, and what its images are."""
     spec = formats().get(m.format)
-    lines: list[str] = spec.reader.describe(path, m) if spec is not None else []
+    lines: list[str] = spec.reader.describe(where, m) if spec is not None else []
     enc = m.image.get("encodings") or {}
     if isinstance(enc, dict) and enc:
         step = _whole_step(m.image.get("history") or [])

@@ -20,7 +20,7 @@ from packio.manifest import Manifest
 from packio.pack.prepare import Result, Skipped
 from packio.pack.report import image_facts
 from packio.pack.workers import progress_bar, results
-from packio.sample import Sample, checksum
+from packio.sample import Sample, checksum, text_key
 
 __all__ = ["Job", "write_part"]
 
@@ -59,11 +59,12 @@ def write_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: Pa
         with progress_bar(len(tasks), progress) as bar:
             for r in results(fn, tasks, workers, chosen):
                 bar.update(1)
+                r = _named(r, job)
                 if isinstance(r, Skipped):
                     if job.strict:
                         raise SourceError(f"{r.where}: {r.reason} (--strict)")
                     skipped[r.reason] += 1
-                    problems.append(f"{r.where}: {r.reason}")
+                    problems.append(text_key(f"{r.where}: {r.reason}"))
                     continue
                 sample = r.sample
                 sums[n_sums] = _sum64(sample)
@@ -90,6 +91,21 @@ def write_part(job: Job, fn: Callable[[Any], Result], tasks: list[Any], path: Pa
     return {"count": writer.count, "skipped": dict(skipped), "problems": problems, "duplicate_content": dup,
             "notes": dict(notes), "done": dict(done), "stored": dict(stored), "jpeg_encoded": jpeg_encoded,
             "workers": chosen.get("workers"), "manifest": manifest, "annotations": manifest.summary["annotations"]}
+
+
+def _named(r: Result, job: Job) -> Result:
+    """``r``, or a skip when its label or a box label names no class of the output (a
+    stranger's label outside its class list): a stored label always has a name."""
+    if isinstance(r, Skipped):
+        return r
+    s, boxed = r.sample, len(job.classes if job.box_classes is None else job.box_classes)
+    if not -1 <= s.label < len(job.classes):
+        return Skipped("label outside the class list (it names no class)", f"{r.where} (label {s.label}, "
+                       f"{len(job.classes)} classes)")
+    if len(s.box_labels) and not (-1 <= int(np.min(s.box_labels)) and int(np.max(s.box_labels)) < boxed):
+        return Skipped("box label outside the class list (it names no class)",
+                       f"{r.where} (box labels {np.asarray(s.box_labels).tolist()[:8]}, {boxed} classes)")
+    return r
 
 
 def _sum64(sample: Sample) -> int:

@@ -12,9 +12,9 @@ from typing import Any, Iterator
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from packio.errors import FormatError, StateError, redact
+from packio.errors import FormatError, StateError, is_url, redact
 from packio.formats import open_reader
-from packio.formats.base import Reader
+from packio.formats.reader import Reader
 from packio.options import DecodeOptions, check_int, merge_options
 from packio.read.batch import Batch, Item
 from packio.read.decoder import Decoder
@@ -22,7 +22,7 @@ from packio.read.positions import (Cursor, Position, SharedPosition, epoch_order
                                    units_digest, worker_batches)
 from packio.sample import Sample
 
-__all__ = ["Source", "Packed", "PackedDataset", "PackedIterableDataset", "open_dataset", "format_classes"]
+__all__ = ["Source", "Packed", "PackedDataset", "PackedIterableDataset", "format_classes"]
 
 WORKER_STATE = "packio_worker_state"
 
@@ -117,8 +117,6 @@ class Packed(Source):
 def _open(owner: Any, path: str | Path | Reader, options: DecodeOptions | None, fields: dict) -> tuple[Reader, Decoder]:
     """The reader of a local path (a Reader as is; of the class's format when pinned) and the decoder
     of the options: a URL is refused first, then the options are checked, then the path opened."""
-    from packio.remote import is_url
-
     cls = type(owner).__name__
     if is_url(path):  # a URL reads through a cache with retries and timeouts, set up by open_dataset
         how = "url, iterable=True" if isinstance(owner, IterableDataset) else "url"
@@ -187,7 +185,7 @@ class PackedDataset(Reading, Dataset):
 
     def __init__(self, path: str | Path | Reader, *, options: DecodeOptions | None = None, **fields: Any) -> None:
         self.source = Packed(*_open(self, path, options, fields), shuffle=False, seed=0, window=1)
-        self.path, self.shared_epoch = str(path), SharedPosition()
+        self.path, self.shared_epoch = str(path.path if isinstance(path, Reader) else path), SharedPosition()
 
     @property
     def epoch(self) -> int:
@@ -231,7 +229,7 @@ class PackedIterableDataset(Reading, IterableDataset):
             self.source = Packed(*_open(self, path, options, fields), shuffle=shuffle, seed=seed, window=window)
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, 1)
         self.position = Position(len(self.source), type(self).__name__, rank=rank, world_size=world_size, even=even)
-        self.path = path.name if isinstance(path, Source) else str(path)
+        self.path = self.source.name if isinstance(path, (Source, Reader)) else str(path)
         self.whole_batches = False  # set by packio.DataLoader: yield whole batches (Batch), not sample dicts
         self.drop_last = False  # with whole_batches: leave out a last batch shorter than batch_size
         self.worker_resume: dict[str, Any] | None = None  # a worker's own state, loaded inside it
@@ -335,25 +333,6 @@ class PackedIterableDataset(Reading, IterableDataset):
             self.worker_resume = state
             return
         self.position.load_state_dict({"epoch": epoch, "consumed": consumed})
-
-
-def open_dataset(path: str | Path, *, iterable: bool = False, options: DecodeOptions | None = None,
-                 cache_dir: str | Path | None = None, cache_limit: int | str | None = None,
-                 storage_options: dict[str, Any] | None = None, retries: int = 10, timeout: float = 10.0,
-                 retry_seconds: float = 30.0, **kwargs: Any) -> PackedDataset | PackedIterableDataset:
-    """Any packed dataset as a :class:`PackedDataset` (``iterable=True``: :class:`PackedIterableDataset`;
-    ``options`` and ``kwargs`` go to it). A URL reads through a local cache: see
-    :func:`packio.remote.open_url` for the cache and retry keywords."""
-    from packio.remote import is_url, open_url
-
-    cls = PackedIterableDataset if iterable else PackedDataset
-    if not is_url(path):
-        return cls(path, options=options, **kwargs)
-    reader = open_url(path, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options,
-                      retries=retries, timeout=timeout, retry_seconds=retry_seconds)
-    ds = cls(reader, options=options, **kwargs)
-    ds.path = str(path)
-    return ds
 
 
 _FORMAT_CLASSES: dict[str, type] = {}

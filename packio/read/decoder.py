@@ -17,7 +17,7 @@ from packio import decode as dec
 from packio import geometry as geo
 from packio import limits
 from packio.errors import CorruptSampleError, DatasetReplacedError, PackioError, RemoteError
-from packio.formats.base import Reader, StoredBatch
+from packio.formats.reader import Reader, StoredBatch
 from packio.options import DecodeOptions
 from packio.read.batch import Batch, Item, batch_buffer, item, stack_images
 from packio.sample import Sample, checksum
@@ -157,15 +157,6 @@ def _boxes_for(s: Sample, out_h: int, out_w: int) -> np.ndarray:
         raise CorruptSampleError(s.key, f"image size unreadable ({exc})") from None
 
 
-def _rows(stored: StoredBatch) -> list[Got]:
-    """A pixel block's rows as stored samples (for a resize or a transform)."""
-    cuts = np.cumsum(stored.counts)[:-1] if stored.counts is not None else []
-    h, w = stored.pixels.shape[1:3]
-    return [Sample(k, px, "raw", int(lab), bx, bl, w, h) for k, px, lab, bx, bl in
-            zip(stored.keys or [], stored.pixels, stored.labels if stored.labels is not None else [],
-                np.split(stored.boxes, cuts), np.split(stored.box_labels, cuts))]
-
-
 class Decoder:
     """Stored samples → one :class:`Batch` (:meth:`batch_of`) or one sample dict (:meth:`item_of`)."""
 
@@ -194,12 +185,10 @@ class Decoder:
             if self.errors.fatal(exc):
                 raise  # never read again sample by sample: every sample would fail alike
             return self.samples(idx, self._reads(reader, idx), epoch)  # finds the bad sample, applies on_error
-        if stored.pixels is None:
-            return self.samples(idx, (stored.samples or []).__getitem__, epoch)
-        shape = stored.pixels.shape[1:3]
-        if o.transform is None and (not o.decode or o.resize in (None, shape)):
+        block = stored.pixels is not None and o.transform is None
+        if block and (not o.decode or o.resize in (None, stored.pixels.shape[1:3])):
             return self.block(stored)
-        return self.samples(idx, _rows(stored).__getitem__, epoch)
+        return self.samples(idx, stored.rows().__getitem__, epoch)  # samples, or a block's rows to resize
 
     def item_of(self, reader: Reader, i: int, epoch: int = 0) -> Item | None:
         """Sample ``i`` (checked) as a batch holds it, without a batch; ``None`` when skipped."""

@@ -20,7 +20,8 @@ import torch
 from packio.errors import StateError
 from packio.options import DecodeOptions, check_int, merge_options
 from packio.read.batch import Batch, Item, merge
-from packio.read.datasets import Packed, PackedDataset, PackedIterableDataset, Source, open_dataset
+from packio.formats.reader import Reader
+from packio.read.datasets import Packed, PackedDataset, PackedIterableDataset, Source
 from packio.read.decoder import Decoder
 
 __all__ = ["mix", "MixedDataset", "Mix", "Plan", "shares"]
@@ -238,9 +239,10 @@ def _unnamed(positions: Any) -> Any:
 
 def _source(src: Any, k: int, seed: int, window: int, options: DecodeOptions) -> tuple[Source, str]:
     """Source ``k`` and its name: a mix as it is (its own order); a packio dataset (its own decode
-    options) or a path / URL (opened with the mix's) in an order seeded by the mix."""
-    if isinstance(src, (str, Path)):
-        src = open_dataset(src, options=options)
+    options) or a local path / an opened reader (``packio.mix`` opens URLs; read with the mix's
+    options) in an order seeded by the mix."""
+    if isinstance(src, (str, Path, Reader)):
+        src = PackedDataset(src, options=options)
     if isinstance(src, PackedIterableDataset) and not isinstance(src.source, Packed):
         return src.source, src.path
     if not isinstance(src, (PackedDataset, PackedIterableDataset)):

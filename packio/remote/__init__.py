@@ -9,7 +9,8 @@ pattern (``https://host/d/shard-{000000..000099}.tar``) or one ``.tar`` URL.
 Credentials come from the client library's own standard sources (``AWS_*``
 variables, ``~/.aws``, ...), never from packio files.
 
-Only :func:`is_url` is light; the rest imports fsspec on first use.
+Importing this package is light; fsspec is imported on first use. URLs are resolved
+by :mod:`packio.api` alone, which calls :func:`open_url` and :func:`describe_url`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-
-
-def is_url(path: Any) -> bool:
-    """True for ``scheme://...`` strings (a ``pathlib.Path`` is always local)."""
-    return isinstance(path, str) and _URL.match(path) is not None
+from packio.errors import is_url
 
 
 def is_foreign(url: Any) -> bool:
@@ -39,9 +35,23 @@ def open_url(url: str, **kwargs: Any) -> Any:
         from packio.remote.foreign import open_foreign
 
         return open_foreign(url.rstrip("/"), **kwargs)
-    from packio.remote.reader import open_url as _open
+    from packio.remote.reader import open_url as open_packed
 
-    return _open(url, **kwargs)
+    return open_packed(url, **kwargs)
 
 
-__all__ = ["is_foreign", "is_url", "open_url"]
+def describe_url(url: str, **kwargs: Any) -> tuple[Any, int, str]:
+    """What ``packio info`` shows of the dataset at ``url``: its manifest, the bytes it
+    holds, and the URL its files lie under (an upload's ``v-VERSION/`` folder; for shards
+    another tool wrote, the pattern's folder). A packed dataset's manifest alone is read;
+    foreign shards are opened (read once into the cache) to count their samples; one-file
+    datasets (HDF5) are cached whole."""
+    if is_foreign(url):
+        reader = open_url(url, **kwargs)
+        return reader.manifest, sum(size or 0 for size, _ in reader.source.files.values()), reader.files_at
+    from packio.remote.reader import describe_packed
+
+    return describe_packed(url, **kwargs)
+
+
+__all__ = ["describe_url", "is_foreign", "is_url", "open_url"]

@@ -14,6 +14,17 @@ Downloads go to a temporary name, are checked against the manifest's size and
 xxh3-128, then renamed into place (atomic). ``limit`` evicts least recently used
 entries (a use touches the file's mtime) before a download that needs room; the
 cache's :class:`Index` (a journal at the root) says how full it is without a walk.
+
+The bound under concurrency: a download reserves its bytes in the journal before it
+starts, in the same critical section (the journal's lock, held alone) that checks the
+room and evicts, so two downloaders never both take the last free bytes. An entry
+whose file is missing is "in flight" while its ``*.dl`` lock is held: an eviction pass
+keeps its reservation; once the lock is free (the download failed, or its process
+died: the kernel drops a dead process's locks) the pass drops it and removes the
+killed download's partial file. When eviction cannot make room (everything else is in
+use or in flight) a download goes ahead over the limit, so the cache holds at most
+``limit`` plus one in-flight object per downloader; the entry is trimmed back when
+its last user releases it.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -101,13 +113,16 @@ def _unlock(fd: int) -> None:
 class Pin:
     """Keeps one cache entry from eviction (a shared lock) until released."""
 
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path, self._fd, self.pid = path, fd, os.getpid()
+    def __init__(self, path: Path, fd: int, after: Callable[[], None] | None = None) -> None:
+        self.path, self._fd, self.pid, self._after = path, fd, os.getpid(), after
 
     def release(self) -> None:
+        """Unpin; then ``after()`` (the cache trims itself back to its limit)."""
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             _unlock(fd)
+            if self._after is not None:
+                self._after()
 
     def forget(self) -> None:
         """After fork: drop the inherited descriptor (the parent's lock stays the parent's)."""
@@ -169,18 +184,14 @@ class Cache:
     def fetch(self, store: Store, rel: str, vdir: Path, info: FileInfo) -> Pin:
         """Pin ``vdir/rel``, downloading it first unless some process already did."""
         dest = vdir / rel
-        pin = Pin(dest, _lock(self._lockfile(vdir, rel, "pin"), fcntl.LOCK_SH, self.lock_timeout))
+        pin = Pin(dest, _lock(self._lockfile(vdir, rel, "pin"), fcntl.LOCK_SH, self.lock_timeout), self.trim)
         try:
             if not valid(dest, info[0]):
                 dl = _lock(self._lockfile(vdir, rel, "dl"), fcntl.LOCK_EX, self.lock_timeout)
                 try:
                     if not valid(dest, info[0]):  # nobody fetched it while we waited
                         _remove(dest)  # a planted link, a truncated or grown file: fetched again
-                        self.evict(reserve=info[0] or 0)
-                        self._note(dest, info[0])
-                        self._download(store, rel, dest, info)
-                        if info[0] is None:
-                            self._note(dest, _size(dest))
+                        self._reserved_download(store, rel, dest, info)
                 finally:
                     _unlock(dl)
             os.utime(dest)  # LRU: last use
@@ -189,12 +200,24 @@ class Cache:
             pin.release()
             raise
 
+    def _reserved_download(self, store: Store, rel: str, dest: Path, info: FileInfo) -> None:
+        """Reserve the entry's bytes, download it (caller holds its ``dl`` lock); a
+        failed download gives its reservation back."""
+        self.reserve(dest, info[0])
+        try:
+            self._download(store, rel, dest, info)
+        except BaseException:
+            self.index.drop(dest.relative_to(self.root).as_posix())
+            raise
+        if info[0] is None:
+            self._note(dest, _size(dest))
+
     def fetch_all(self, store: Store, files: dict[str, FileInfo], vdir: Path, manifest: bytes | None,
                   threads: int = 8) -> Pin:
         """Pin a whole dataset (one eviction unit), downloading what is missing; the
         local ``packio.json`` is written last, and ``.complete`` after it."""
         (vdir / WHOLE).touch()
-        pin = Pin(vdir, _lock(self._lockfile(vdir, DATASET, "pin"), fcntl.LOCK_SH, self.lock_timeout))
+        pin = Pin(vdir, _lock(self._lockfile(vdir, DATASET, "pin"), fcntl.LOCK_SH, self.lock_timeout), self.trim)
         try:
             if not self._complete(vdir, files):
                 dl = _lock(self._lockfile(vdir, DATASET, "dl"), fcntl.LOCK_EX, self.lock_timeout)
@@ -220,8 +243,7 @@ class Cache:
         if self.limit is not None and total > self.limit:
             raise RemoteError(f"{store}: this dataset is {total / 1e6:.1f} MB and is cached whole, more than "
                               f"the cache limit of {self.limit / 1e6:.1f} MB; raise cache_limit")
-        self.evict(reserve=total)
-        self._note(vdir, total, whole=True)
+        self.reserve(vdir, total, whole=True)
 
         def one(item: tuple[str, FileInfo]) -> str:
             rel, info = item
@@ -277,18 +299,76 @@ class Cache:
 
     @property
     def index(self) -> "Index":
-        if self._index is None:
-            self._index = Index(self.root, self.lock_timeout, self._walk_entries)
+        """This process's view of the journal (a forked child makes its own: the parent's
+        locks and thread state are not the child's)."""
+        if self._index is None or self._index.pid != os.getpid():
+            self._index = Index(self.root, self.lock_timeout, self._walk_entries, self._pending)
         return self._index
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__, _index=None)  # a worker reads the journal itself (not a parent's copy)
 
     def _note(self, entry: Path, size: int | None, whole: bool = False) -> None:
-        """Record an entry in the index before it is written (a crash in between only
-        over-counts, which the next eviction pass corrects)."""
+        """Record an entry in the index (no room check: see :meth:`reserve`)."""
         if size is not None:
             self.index.add(entry.relative_to(self.root).as_posix(), size, whole)
+
+    def reserve(self, entry: Path, size: int | None, whole: bool = False) -> None:
+        """Make room for ``size`` bytes at ``entry`` and record them, in one critical
+        section: the room is checked, made and taken under the journal's lock held
+        alone, so concurrent downloaders (threads or processes) never count the same
+        free bytes. The caller holds the entry's ``dl`` lock until the file is in place
+        (that is what keeps the reservation alive in an eviction pass)."""
+        if self.limit is None or size is None:
+            self._note(entry, size, whole)
+            return
+        rel, index = entry.relative_to(self.root).as_posix(), self.index
+        index.ensure()
+        with index.exclusive():
+            index.refresh()
+            self._make_room(size - index.entries.get(rel, (0, False))[0])
+            index.add(rel, size, whole)
+            total = index.total
+        self._warn_over(total)
+
+    def evict(self, reserve: int = 0) -> None:
+        """Delete least recently used entries not in use until ``reserve`` more bytes fit
+        the limit (a pass frees a tenth of the limit more than needed, so passes are rare
+        when every download needs room)."""
+        if self.limit is None:
+            return
+        index = self.index
+        index.ensure()
+        with index.exclusive():
+            index.refresh()
+            self._make_room(reserve)
+            total = index.total
+        self._warn_over(total + reserve)
+
+    def trim(self) -> None:
+        """Back to the limit when over it (after an entry is released: what a download
+        that went over the limit left becomes evictable then). Costs a read of the
+        journal's tail when under it; never raises (it runs when a reader lets go of a file)."""
+        try:
+            if self.limit is None or not self.index.refresh() or self.index.total <= self.limit:
+                return
+            with self.index.exclusive():
+                self.index.refresh()
+                self._make_room(0)
+        except (OSError, RemoteError) as exc:
+            log.debug("packio: could not trim the cache %s: %s", self.root, exc)
+
+    def _make_room(self, need: int) -> None:
+        """An eviction pass when ``need`` more bytes do not fit (caller holds the index alone)."""
+        if self.limit is not None and self.index.total + need > self.limit:
+            self._evict_pass(max(0, self.limit - max(0, need) - self.limit // 10))
+
+    def _warn_over(self, total: int) -> None:
+        if self.limit is not None and total > self.limit and not self._warned:
+            self._warned = True
+            log.warning("packio: the cache in %s holds %.1f MB in use or in flight, over its limit of %.1f MB; "
+                        "the limit should hold at least the shards read at once plus prefetch",
+                        self.root, total / 1e6, self.limit / 1e6)
 
     def _units(self) -> Iterator[tuple[float, int, Path, list[Path], bool]]:
         """(last use, bytes, pin lock, files, whole) for every entry under the root: a walk,
@@ -316,44 +396,58 @@ class Cache:
         """Bytes of cached entries under the root (a walk: the truth, not the index)."""
         return sum(u[1] for u in self._units())
 
-    def evict(self, reserve: int = 0) -> None:
-        """Delete least recently used entries not in use until ``reserve`` more bytes fit
-        the limit. The index says whether anything must go (no walk); a pass, under the
-        index's lock, stats the indexed entries once and frees a tenth of the limit more
-        than needed, so passes are rare when every download needs room."""
-        if self.limit is None:
-            return
-        index, target = self.index, max(0, self.limit - reserve)
-        index.ensure()
-        if index.total <= target:
-            return
-        with index.exclusive():
-            index.refresh()
-            if index.total > target:
-                self._evict_pass(max(0, target - self.limit // 10))
-            total = index.total
-        if total > target and not self._warned:
-            self._warned = True
-            log.warning("packio: the cache in %s holds %.1f MB in use, over its limit of %.1f MB; "
-                        "the limit should hold at least the shards read at once plus prefetch",
-                        self.root, total / 1e6, self.limit / 1e6)
-
     def _walk_entries(self) -> dict[str, tuple[int, bool]]:
         return {(lock.parent.parent if whole else files[0]).relative_to(self.root).as_posix(): (size, whole)
                 for _, size, lock, files, whole in self._units()}
 
+    def _pending(self, rel: str, whole: bool) -> bool:
+        """The entry is not on disk yet, and a download of it is under way."""
+        return _last_use(self.root / rel, whole) is None and self._in_flight(rel, whole)
+
+    def _in_flight(self, rel: str, whole: bool) -> bool:
+        """Whether some process is downloading the entry ``rel`` (its ``dl`` lock is held).
+        When none is, a killed download's partial files of the entry are removed, under
+        that lock."""
+        path = self.root / rel
+        vdir = path if whole else _vdir_of(path, self.root)
+        if vdir is None or not _within(self.root, path):
+            return False
+        try:
+            fd = os.open(self._lockfile(vdir, DATASET if whole else path.relative_to(vdir).as_posix(), "dl"),
+                         os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False  # never locked: nobody downloads it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return True
+        try:
+            if not whole:
+                for part in path.parent.glob(f".{path.name}.part-*"):
+                    part.unlink(missing_ok=True)
+            return False
+        finally:
+            _unlock(fd)
+
     def _evict_pass(self, goal: int) -> None:
         """Least recently used first, skipping entries in use, down to ``goal`` bytes if
-        possible (caller holds the index exclusively). Each removal is journalled as it
-        happens: a crash mid-pass leaves files and index agreeing but for one entry."""
+        possible (caller holds the index exclusively). An entry whose file is missing is
+        kept while it is in flight (a download holds its lock), else dropped. Each removal
+        is journalled as it happens: a crash mid-pass leaves files and index agreeing but
+        for one entry."""
         index = self.index
         units = []
         for rel, (size, whole) in list(index.entries.items()):
-            used = _last_use(self.root / rel, whole) if _within(self.root, self.root / rel) else None
-            if used is None:
-                index.drop(rel)  # gone (evicted by a crashed pass, removed by hand, a failed download)
-            else:
+            path = self.root / rel
+            inside = _within(self.root, path)
+            used = _last_use(path, whole) if inside else None
+            if used is not None:
                 units.append((used, rel, whole))
+            # looked at again once no download holds it: one may have ended in between (none can
+            # start: we hold the index)
+            elif not inside or (not self._in_flight(rel, whole) and _last_use(path, whole) is None):
+                index.drop(rel)  # gone (evicted by a crashed pass, removed by hand, a failed or killed download)
         units.sort()
         for _, rel, whole in units:
             if index.total <= goal:
@@ -393,18 +487,24 @@ class Index:
     """Which entries the cache holds and their sizes: an append-only journal at the root
     (``+`` entry, bytes, whole / ``-`` entry, one JSON line each) that every process
     reads from where it last stopped, so knowing the cache's usage costs what was
-    written since, not a walk. Appends hold its lock shared, rewrites exclusively.
-    The journal is a hint kept honest: an entry it lists that is gone is dropped by
-    the next eviction pass, and it is rebuilt from a walk when it has grown to four
-    times its entries (amortised: a walk per thousands of downloads), when it is
+    written since, not a walk. Appends hold its lock shared, rewrites exclusively;
+    within a process a mutex orders threads the same way. An entry is recorded when its
+    download starts (a reservation). The journal is a hint kept honest: an entry it
+    lists that is gone and not in flight is dropped by the next eviction pass, and it is
+    rebuilt from a walk (keeping the reservations still in flight) when it has grown to
+    four times its entries (amortised: a walk per thousands of downloads), when it is
     missing, or unreadable."""
 
     NAME = ".packio-index"
     LINE = 1 << 16  # a longer "line" is not one of ours: skipped
 
-    def __init__(self, root: Path, lock_timeout: float, walk: Callable[[], dict[str, tuple[int, bool]]]) -> None:
+    def __init__(self, root: Path, lock_timeout: float, walk: Callable[[], dict[str, tuple[int, bool]]],
+                 pending: Callable[[str, bool], bool]) -> None:
         self.path, self.lockpath = root / self.NAME, root / f"{self.NAME}.lock"
         self.lock_timeout, self.walk = lock_timeout, walk  # walk(): every entry, from the file system
+        self.pending = pending  # pending(entry, whole): not on disk yet, its download under way
+        self.pid = os.getpid()
+        self._mutex = threading.RLock()  # the threads of this process, one at a time
         self.entries: dict[str, tuple[int, bool]] = {}
         self.total, self.lines = 0, 0
         self._seen: tuple[int, int] | None = None  # (device, inode) of the journal read so far
@@ -436,6 +536,10 @@ class Index:
 
     def refresh(self) -> bool:
         """Catch up with the journal (from its start when it was rewritten); False when there is none."""
+        with self._mutex:
+            return self._catch_up()
+
+    def _catch_up(self) -> bool:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
@@ -474,7 +578,13 @@ class Index:
         with self.exclusive():
             if self._fresh():
                 return  # another process did it meanwhile
+            # reservations of downloads under way (not on disk yet), asked before the walk: a
+            # download that ends meanwhile is then on disk; none can start, we hold the lock
+            flying = {rel: v for rel, v in self.entries.items() if self.pending(rel, v[1])}
             entries = self.walk()
+            for rel, (size, whole) in flying.items():
+                if entries.get(rel, (0, whole))[0] < size:
+                    entries[rel] = (size, whole)
             tmp = self.path.with_name(f"{self.NAME}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
                 tmp.write_bytes(b"".join(_record("+", rel, size, whole) for rel, (size, whole) in entries.items()))
@@ -486,16 +596,18 @@ class Index:
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
-        """Hold the journal's lock alone: one eviction pass or rebuild at a time."""
-        if self._held is not None:
-            yield
-            return
-        self._held = _lock(self.lockpath, fcntl.LOCK_EX, self.lock_timeout)
-        try:
-            yield
-        finally:
-            fd, self._held = self._held, None
-            _unlock(fd)
+        """Hold the journal's lock alone: one eviction pass, reservation or rebuild at a time
+        (re-entrant in one thread; the other threads of the process wait for the mutex)."""
+        with self._mutex:
+            if self._held is not None:
+                yield
+                return
+            self._held = _lock(self.lockpath, fcntl.LOCK_EX, self.lock_timeout)
+            try:
+                yield
+            finally:
+                fd, self._held = self._held, None
+                _unlock(fd)
 
     def add(self, rel: str, size: int, whole: bool) -> None:
         self._write(_record("+", rel, size, whole))
@@ -506,6 +618,10 @@ class Index:
     def _write(self, line: bytes) -> None:
         """Append one record (one write: appends never interleave) and apply it here; a
         cache without a journal yet gets none (the first eviction builds it from a walk)."""
+        with self._mutex:
+            self._append(line)
+
+    def _append(self, line: bytes) -> None:
         fd = _lock(self.lockpath, fcntl.LOCK_SH, self.lock_timeout) if self._held is None else None
         try:
             out = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -9,8 +9,10 @@ for its members as local foreign shards are, and digested. A server that gives n
 ETag nor modification time has every shard downloaded at each open to learn its digest,
 which then names the cache version (packio cannot otherwise tell a replaced shard of the
 same size from an unchanged one). Reading then goes through
-:class:`~packio.remote.reader.RemoteTarReader` (whole shards, prefetched, pinned while
-in use); a shard evicted and fetched again must match the digest taken at open.
+:class:`~packio.remote.reader.RemoteTarReader` over shards read whole (prefetched,
+pinned while in use); a shard evicted and fetched again must match the digest taken at
+open, and when it does not, its size and ETag / modification time tell a replaced
+shard (``DatasetReplacedError``) from a corrupt transfer.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from packio.errors import FormatError
-from packio.formats.tar import TarReader, expand_pattern, gather, scan_shard
+from packio.errors import FormatError, RemoteNotFoundError
+from packio.formats.tar import expand_pattern, gather, scan_shard
 from packio.manifest import Manifest, file_digest
 from packio.remote.cache import Cache, FileInfo
-from packio.remote.reader import RemoteTarReader, _safe_rel, identity, settings
+from packio.remote.reader import RemoteTarReader, identity, safe_rel, settings
+from packio.remote.shards import RemoteShards
 from packio.remote.store import Store, redact
-from packio.sample import Sample
 
-__all__ = ["ForeignTarReader", "open_foreign"]
+__all__ = ["ShardsWatch", "open_foreign"]
 
 _THREADS = 8  # concurrent HEADs / downloads at open
 
@@ -46,7 +48,7 @@ def _split(pattern: str) -> tuple[str, list[str]]:
     if not u.netloc or pattern.split("{", 1)[0].count("/") < 3:
         raise FormatError(f"{redact(pattern)}: braces may name shards only after the host "
                           f"(scheme://host/folder/shard-{{000000..000099}}.tar)")
-    bad = next((n for n in names if not _safe_rel(n)), None)
+    bad = next((n for n in names if not safe_rel(n)), None)
     if bad is not None:
         raise FormatError(f"{redact(pattern)}: names {redact(bad)!r}, not a plain path below the pattern's "
                           f"folder; refusing it")
@@ -68,7 +70,7 @@ def _scan(store: Store, cache: Cache, vdir: Path, name: str, k: int, size: int, 
 
 def open_foreign(pattern: str, *, cache_dir: str | Path | None = None, cache_limit: int | str | None = None,
                  storage_options: dict[str, Any] | None = None, prefetch: int = 2, retries: int = 10,
-                 timeout: float = 10.0, retry_seconds: float = 30.0) -> "ForeignTarReader":
+                 timeout: float = 10.0, retry_seconds: float = 30.0) -> RemoteTarReader:
     """A reader for the foreign shards ``pattern`` names (see the module's docstring);
     the options are :func:`packio.remote.reader.open_url`'s."""
     import xxhash
@@ -85,22 +87,25 @@ def open_foreign(pattern: str, *, cache_dir: str | Path | None = None, cache_lim
     files: dict[str, FileInfo] = {n: (ids[k][0], scans[k][1]) for k, n in enumerate(names)}
     manifest = Manifest(format="tar", count=len(index), classes=classes,
                         source={"path": redact(pattern), "foreign": True}, extra={"shards": names})
-    reader = ForeignTarReader(store, cache, vdir, manifest, files, index, prefetch)
-    reader.foreign, reader.pattern = foreign, redact(pattern)
-    return reader
+    watch = ShardsWatch(store, cache, names, [i[:2] for i in ids])
+    source = RemoteShards(store, cache, vdir, names, files, watch, prefetch, ranges=False)
+    return RemoteTarReader(vdir, manifest, index, source, foreign=foreign, name=redact(pattern))
 
 
-class ForeignTarReader(RemoteTarReader):
-    """Foreign shards at a URL: read whole through the cache, each checked against the
-    digest taken at open (no single-member range reads: nothing could check them)."""
+class ShardsWatch:
+    """Whether each shard at the URL still has the size and ETag / modification time
+    (or content digest) it had when the shards were opened."""
 
-    pattern = ""
+    def __init__(self, store: Store, cache: Cache, names: list[str], ids: list[tuple[int, list[str]]]) -> None:
+        self.store, self.cache, self.names, self.ids = store, cache, names, ids
 
-    def __str__(self) -> str:
-        return self.pattern
-
-    def _stash(self, indices: list[int]) -> None:
-        return  # map-style reads fetch (and check) whole shards
-
-    def _checked(self, i: int) -> Sample:
-        return TarReader.read(self, i)  # the shard's digest checked its bytes; a stranger's json has no checksum
+    def replaced(self) -> str | None:
+        for name, was in zip(self.names, self.ids):
+            try:
+                now = identity(self.store, self.cache, name)[:2]
+            except RemoteNotFoundError:
+                now = None
+            if now != tuple(was):
+                return (f"{self.store.url_of(name)} was replaced or removed after these shards were opened (its "
+                        f"size or ETag changed); open them again")
+        return None

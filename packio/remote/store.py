@@ -1,4 +1,5 @@
-"""The URL layer: one dataset location behind fsspec, with bounded waits and retries.
+"""The URL layer: one dataset location behind fsspec, with bounded waits and retries;
+what differs per URL scheme comes from the table in :mod:`packio.remote.schemes`.
 
 The filesystem object is made lazily in each process (fsspec's async clients are
 not fork-safe: a DataLoader worker must not reuse its parent's), so a ``Store``
@@ -22,13 +23,13 @@ from typing import Any, Callable, TypeVar
 
 from packio.errors import (BucketNotFoundError, RangeNotSupportedError, RemoteAccessError, RemoteError,
                            RemoteNotFoundError, RemoteTimeoutError, RemoteUnreachableError, redact)
+from packio.remote.schemes import CHUNK, read_upto, refused, scheme_of
 
 __all__ = ["Retry", "Store", "redact"]
 
 log = logging.getLogger("packio")
 T = TypeVar("T")
 EXTRA = "pip install 'packio[remote]'"
-CHUNK = 4 << 20  # bytes per streamed read
 
 @dataclass(frozen=True)
 class Retry:
@@ -74,21 +75,6 @@ def _kind(exc: BaseException) -> str:
     return "transient"
 
 
-def _defaults(url: str, options: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Connect and read timeouts for the clients packio knows (unless the user set
-    them); s3: botocore's own retries kept short (this module retries with backoff)."""
-    if url.startswith(("http://", "https://")) and "client_kwargs" not in options:
-        import aiohttp
-
-        t = aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout, sock_read=timeout)
-        return {**options, "client_kwargs": {"timeout": t}}
-    if not url.startswith(("s3://", "s3a://")) or "config_kwargs" in options or \
-            "AWS_MAX_ATTEMPTS" in os.environ or "AWS_RETRY_MODE" in os.environ:
-        return options
-    return {**options, "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"},
-                                         "connect_timeout": timeout, "read_timeout": timeout}}
-
-
 _LIVE: "weakref.WeakSet[Store]" = weakref.WeakSet()
 _INHERITED: list[Any] = []  # in a forked child: the parent's clients, kept unused and never closed
 
@@ -103,9 +89,7 @@ def _forget_parent_clients() -> None:
     (forever without one: the fork hang of issue 29). Kept referenced, nothing
     touches them; the child makes its own client on first use."""
     for store in list(_LIVE):
-        if store._fs is not None:
-            _INHERITED.append(store._fs[1])
-            store._fs = None
+        _INHERITED.extend(store.forget_client())
 
 
 if hasattr(os, "register_at_fork"):
@@ -119,6 +103,7 @@ class Store:
         self.url = url.rstrip("/")
         self.options = dict(storage_options or {})
         self.retry = retry or Retry()
+        self.scheme = scheme_of(self.url)
         self._fs: tuple[int, Any, str] | None = None
         _LIVE.add(self)
 
@@ -132,6 +117,12 @@ class Store:
     def __str__(self) -> str:
         return redact(self.url)
 
+    def forget_client(self) -> list[Any]:
+        """Drop this store's client unclosed (see :func:`_forget_parent_clients`); the
+        client dropped, if any, for the caller to keep referenced."""
+        fs, self._fs = self._fs, None
+        return [] if fs is None else [fs[1]]
+
     def _client(self) -> tuple[Any, str]:
         if self._fs is None or self._fs[0] != os.getpid():
             try:
@@ -139,7 +130,7 @@ class Store:
             except ImportError:
                 raise RemoteError(f"{self}: remote datasets need the remote extra: {EXTRA}") from None
             try:
-                opts = _defaults(self.url, self.options, self.retry.timeout)
+                opts = self.scheme.options(self.options, self.retry.timeout)
                 # skip_instance_cache: a client made before a fork holds the parent's event loop
                 fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **opts)
             except ImportError as exc:  # e.g. "Install s3fs to access S3"
@@ -208,15 +199,15 @@ class Store:
 
     def cat_ranges(self, rel: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
         """Byte ranges ``[start, end)``, fetched concurrently where the client can; a
-        server that ignores ``Range`` is a ``RangeNotSupportedError``."""
+        server that ignores ``Range`` is a ``RangeNotSupportedError``, a cut transfer is
+        retried (the scheme's range read tells them apart)."""
         if not rel:
             return []
         where = rel[0] if len(set(rel)) == 1 else ""
 
         def ranges(fs: Any, _: str) -> list[bytes]:
             paths, urls = [self._path(r) for r in rel], [self.url_of(r) for r in rel]
-            # fsspec's http and s3fs's cat_ranges read a whole body whatever its length: bounded here
-            one = _http_range if self.http else _s3_range if hasattr(fs, "call_s3") else None
+            one = self.scheme.range  # fsspec's http and s3fs cat_ranges read a whole body whatever its length
             if one is None:
                 return fs.cat_ranges(paths, starts, ends, on_error="raise")
             return _bounded_ranges(one, fs, paths, starts, ends, urls)
@@ -224,35 +215,35 @@ class Store:
         out = self.call("range read", where, ranges)
         for r, a, b, blob in zip(rel, starts, ends, out):
             if len(blob) != b - a:
-                raise _refused(self.url_of(r), b - a, a, len(blob))
+                raise refused(self.url_of(r), b - a, a, len(blob))
         return out
 
     @property
     def http(self) -> bool:
-        return self.url.startswith(("http://", "https://"))
+        return self.scheme.name == "http"
 
     def get(self, rel: str, local: Path, limit: int | None) -> None:
         """Download ``rel`` to ``local``, streamed, at most ``limit`` bytes (a retry starts over)."""
-        self.call("download", rel, lambda fs, p: _download(fs, p, local, limit, self.url_of(rel), self.http))
+        self.call("download", rel, lambda fs, p: _download(fs, p, local, limit, self.url_of(rel), self.scheme.stream))
 
     def put(self, local: Path, rel: str) -> None:
         """Upload a file (the client uses multipart uploads for large files where the store has them)."""
         self.call("upload", rel, lambda fs, p: fs.put_file(str(local), p))
 
     def put_bytes(self, data: bytes, rel: str, create: bool = False) -> None:
-        """Upload ``data``; ``create``: only if no object is there (S3 ``If-None-Match``)."""
-        kw = {"mode": "create"} if create else {}
-        self.call("upload", rel, lambda fs, p: fs.pipe_file(p, data, **kw))
+        """Upload ``data``; ``create``: only if no object is there (the scheme's exclusive
+        create: S3 ``If-None-Match``), what an upload's lock is taken with."""
+        if create:
+            self.call("upload", rel, lambda fs, p: self.scheme.create(fs, p, data))
+        else:
+            self.call("upload", rel, lambda fs, p: fs.pipe_file(p, data))
 
     def check_bucket(self) -> None:
         """S3: a missing bucket is a ``BucketNotFoundError`` before anything is written
-        (some servers, SeaweedFS among them, would make one on the first write)."""
-        def probe(fs: Any, path: str) -> None:
-            if hasattr(fs, "call_s3"):  # one cheap list of at most one key, with the permission uploads need
-                bucket, key, _ = fs.split_path(path)
-                fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1)
-
-        self.call("list", "", probe)
+        (the scheme's cheap listing; schemes without buckets have nothing to check)."""
+        probe = self.scheme.probe
+        if probe is not None:
+            self.call("list", "", probe)
 
     def exists(self, rel: str) -> bool:
         return self.call("stat", rel, lambda fs, p: fs.exists(p))
@@ -288,24 +279,18 @@ def _error(kind: str, what: str, url: str, exc: BaseException, tries: int) -> Re
 
 
 def _read(fs: Any, path: str, limit: int, url: str) -> bytes:
-    chunks, total = [], 0
     with fs.open(path, "rb", cache_type="none") as f:
-        while total <= limit:
-            b = f.read(min(CHUNK, limit + 1 - total))
-            if not b:
-                return b"".join(chunks)
-            chunks.append(b)
-            total += len(b)
+        chunks, total = read_upto(f.read, limit + 1, keep=True)
+    if total <= limit:
+        return b"".join(chunks)
     raise RemoteError(f"{url}: larger than packio's limit of {limit} bytes for this file; not a packio "
                       f"dataset, or raise the limit in packio.limits")
 
 
-def _download(fs: Any, path: str, local: Path, limit: int | None, url: str, http: bool) -> None:
+def _download(fs: Any, path: str, local: Path, limit: int | None, url: str, stream: dict[str, Any]) -> None:
     total = 0
     kw: dict[str, Any] = {} if limit is None else {"size": limit}  # no HEAD request: the manifest gave the size
-    if http:  # one streamed GET, read in chunks (fsspec's block reads take a whole 206 body at once)
-        kw["block_size"] = 0
-    with fs.open(path, "rb", cache_type="none", **kw) as f, open(local, "wb") as out:
+    with fs.open(path, "rb", cache_type="none", **kw, **stream) as f, open(local, "wb") as out:
         while True:
             b = f.read(CHUNK if limit is None else min(CHUNK, limit + 1 - total))
             if not b:
@@ -315,64 +300,6 @@ def _download(fs: Any, path: str, local: Path, limit: int | None, url: str, http
             if limit is not None and total > limit:
                 raise RemoteError(f"{url}: the server sent more than the manifest's {limit} bytes; the object "
                                   f"was replaced or the server is broken")
-
-
-def _http_range(fs: Any, path: str, start: int, end: int, url: str) -> bytes:
-    """Bytes ``[start, end)`` by one ``Range`` request, reading at most one byte more
-    than asked: a body longer than asked (or a 200 with more than asked) is refused."""
-    want = end - start
-    if want <= 0:
-        return b""
-    headers = {**dict(getattr(fs, "kwargs", {}).get("headers") or {}), "Range": f"bytes={start}-{end - 1}"}
-    chunks, got = [], 0
-    with fs.open(path, "rb", block_size=0, size=want, headers=headers) as f:
-        if start and getattr(getattr(f, "r", None), "status", 206) != 206:
-            got = -1  # the whole file from its start: not these bytes
-        while 0 <= got <= want:
-            b = f.read(min(CHUNK, want + 1 - got))
-            if not b:
-                break
-            chunks.append(b)
-            got += len(b)
-    if got != want:
-        raise _refused(url, want, start, "more" if got > want else "the whole file" if got < 0 else got)
-    return b"".join(chunks)
-
-
-def _s3_range(fs: Any, path: str, start: int, end: int, url: str) -> bytes:
-    """Bytes ``[start, end)`` by one S3 GET with ``Range``: a response whose length is
-    not the range's (a whole object, a longer body) is refused from its header, and the
-    body is read at most one byte past what was asked, never buffered whole."""
-    from fsspec.asyn import sync
-
-    want = end - start
-    if want <= 0:
-        return b""
-    bucket, key, version = fs.split_path(path)
-    resp = fs.call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                      **({"VersionId": version} if version else {}))
-    body, chunks, got = resp["Body"], [], 0
-    try:
-        length = resp.get("ContentLength")
-        if isinstance(length, int) and length != want:
-            raise _refused(url, want, start, "more" if length > want else length)
-        while got <= want:
-            b = sync(fs.loop, body.read, min(CHUNK, want + 1 - got))
-            if not b:
-                break
-            chunks.append(b)
-            got += len(b)
-    finally:
-        body.close()  # an unread rest is dropped with its connection
-    if got != want:
-        raise _refused(url, want, start, "more" if got > want else got)
-    return b"".join(chunks)
-
-
-def _refused(url: str, want: int, start: int, got: object) -> RangeNotSupportedError:
-    return RangeNotSupportedError(f"{url}: asked for {want} bytes at {start}, got {got}: the server does not "
-                                  f"honour byte ranges; serve the dataset from a server that does, or read it as "
-                                  f"a stream (iterable=True)")
 
 
 def _bounded_ranges(one: Callable[..., bytes], fs: Any, paths: list[str], starts: list[int], ends: list[int],

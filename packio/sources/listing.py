@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from packio.errors import SourceError
+from packio.sample import text_key
 from packio.sources.csvrows import Rows, read_csv
 from packio.sources.join import join
 from packio.sources.names import class_name
@@ -88,8 +89,8 @@ class Scan:
 
 
 def problem(reason: str, where: str, detail: str = "") -> str:
-    """A skip's line in the summary's problems."""
-    return f"{where}: {reason}" + (f" ({detail})" if detail else "")
+    """A skip's line in the summary's problems (a name's bytes that are not UTF-8 as ``\\xNN``)."""
+    return text_key(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
 
 
 def sort_classes(names: set[str]) -> list[str]:
@@ -101,11 +102,11 @@ def sort_classes(names: set[str]) -> list[str]:
     return sorted(names)
 
 
-def folder_names(files: Files) -> set[str]:
+def folder_names(files: Files, at_least: int = 2) -> set[str]:
     """Folder names that label images: those of folders holding image files (by suffix),
-    when two or more names do. A flat or single-folder source (``BCCD/JPEGImages``) has
-    none, and folders without images (``Annotations/``) name none."""
-    return labelling(image_folders(files))
+    when ``at_least`` names do (two: a flat or single-folder source, ``BCCD/JPEGImages``,
+    has none). Folders without images (``Annotations/``) name none."""
+    return labelling(image_folders(files), at_least)
 
 
 def image_folders(files: Files) -> set[str]:
@@ -113,9 +114,9 @@ def image_folders(files: Files) -> set[str]:
     return {n for n, img in zip(files.folders, files.with_images) if img and n}
 
 
-def labelling(names: set[str]) -> set[str]:
-    """``names`` (of folders holding images), if they label images: when two or more names do."""
-    return names if len({class_name(n) for n in names}) > 1 else set()
+def labelling(names: set[str], at_least: int = 2) -> set[str]:
+    """``names`` (of folders holding images), if they label images: when ``at_least`` names do."""
+    return names if len({class_name(n) for n in names}) >= at_least else set()
 
 
 def _remap(names: list[str], index: dict[str, int]) -> np.ndarray:
@@ -201,12 +202,14 @@ def _csv_rows(root: Path, csv_path: Path, columns: dict[str, str], files: Files,
 
 
 def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: dict[str, str] | None = None,
-                *, strict: bool = False, follow_symlinks: bool = False) -> Scan:
+                *, strict: bool = False, follow_symlinks: bool = False, folder_classes: bool = False) -> Scan:
     """List an image folder and attach CSV annotations, as columns (``Scan.items``).
 
     Labels: the name of each image's parent folder (``train/ants/x.jpg`` → ``ants``)
     when the images sit in sub-folders; a CSV image label (see ``csvrows``) overrides
-    it; a flat or single-folder source has no folder labels. Box classes come from the
+    it; a flat or single-folder source has no folder labels, except with ``folder_classes``
+    (an append to a labelled dataset) when the CSV gives no image labels: then one folder
+    of images is a class too. Box classes come from the
     CSV ``class`` column and get their own list (``box_classes``). Images without CSV
     rows are kept with no boxes; CSV rows naming no image are counted (``strict`` makes
     them an error; which rows name which file: see ``join``); an image without a label
@@ -225,8 +228,9 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
         rows, file_of = Rows.empty(), np.zeros(0, np.int64)
     rows.names = Strings.of([])  # the file names are no longer needed: their memory goes before the columns are made
     bad = conflicts(rows, file_of, scan.skip, files.keys, strict)
-    named = folder_names(files)
-    scan.classes = sort_classes(named | label_names(rows, file_of))
+    given = label_names(rows, file_of)
+    named = folder_names(files, 1 if folder_classes and not given else 2)
+    scan.classes = sort_classes(named | given)
     labels = image_labels(files, rows, file_of, named, scan.classes)
     keep = ~bad
     scan.box_classes = sort_classes(box_class_names(rows, file_of))

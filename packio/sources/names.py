@@ -12,12 +12,15 @@ from __future__ import annotations
 import unicodedata
 from collections import Counter
 
+from packio.sample import text_key
+
 __all__ = ["class_name", "case_notes"]
 
 
 def class_name(name: str) -> str:
-    """``name`` as a class name is stored: Unicode NFC."""
-    return unicodedata.normalize("NFC", name)
+    """``name`` as a class name is stored: Unicode NFC; a folder name's bytes that are not
+    UTF-8 written as ``\\xNN`` (:func:`packio.sample.text_key`)."""
+    return text_key(unicodedata.normalize("NFC", name))
 
 
 def case_notes(names: list[str], *, since: int = 0, what: str = "class") -> Counter[str]:

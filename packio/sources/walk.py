@@ -115,12 +115,7 @@ class _Walk:
             return None
         if self.exclude and os.path.abspath(full) in self.exclude:
             return None
-        rel = prefix + name
-        try:
-            rel.encode("utf-8")
-        except UnicodeEncodeError:
-            self.skip("file name is not valid UTF-8", os.fsencode(full).decode("utf-8", "replace"), "")
-            return None
+        rel = prefix + name  # a name that is not UTF-8 stays as found (its key is written with \xNN escapes)
         if len(os.fsencode(os.path.abspath(full))) >= PATH_MAX:
             for below in _files_below(folder, name) if is_dir and not link else [name]:
                 self.skip(f"path longer than {PATH_MAX - 1} bytes", full[:200] + ".../" + below[-100:], "")
