@@ -322,7 +322,7 @@ def test_a_conversion_killed_mid_upload_runs_again_at_once(gen_folder, tmp_path,
     takeover = [line for line in again.stderr.splitlines() if "taking over the lock" in line]
     assert len(takeover) == 1 and f"pid {kid.pid} on this host" in takeover[0], again.stderr[-2000:]
     reader = packio.open_reader(url, cache_dir=tmp_path / "c")
-    assert len(reader.read_many(list(range(len(reader))))) == len(reader) == 14
+    assert len(reader.read_batch(list(range(len(reader)))).rows()) == len(reader) == 14
     left = store.listing("")
     assert "packio.json" in left and ".packio-lock" not in left
     assert len({rel.split("/")[0] for rel in left if rel != "packio.json"}) == 1, left  # one upload's objects
