@@ -223,17 +223,29 @@ class Decoder:
         self.options = options  # checked when made
         self.decode, self.size, self.transform = options.decode, options.resize, options.transform
         self.backend, self.verify = options.backend, options.verify
+        # issue 39 (g-geometry): read-time crop/flip; the epoch stays 0 until r1's decoder stage passes it
+        self.recipe, self.seed, self.epoch = options.recipe, options.crop_seed, 0
 
-    def one(self, s: Sample, out: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
-        """``(image, boxes)`` of one sample (boxes: a fresh ``float32[N, 4]`` array). With
-        ``out`` (a ``uint8[h, w, 3]`` row of the batch buffer) the pixels are decoded or
-        resized into it and the image is ``None``, unless they do not have its shape (an
-        unresized image of another size): then the image comes back on its own."""
+    def one(self, s: Sample, out: np.ndarray | None = None, index: int = 0) -> tuple[Any, np.ndarray, np.ndarray]:
+        """``(image, boxes, box_labels)`` of sample ``index`` (fresh arrays). With ``out``
+        (a ``uint8[h, w, 3]`` row of the batch buffer) the pixels are decoded or resized into
+        it and the image is ``None``, unless they do not have its shape (an unresized image
+        of another size): then the image comes back on its own."""
         if self.verify:
             verify(s)
+        labels = np.array(s.box_labels, np.int64).reshape(-1)
         if not self.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
             raw = isinstance(s.payload, np.ndarray)
-            return (chw(s.payload) if raw else s.payload), geo.as_boxes(s.boxes)
+            return (chw(s.payload) if raw else s.payload), geo.as_boxes(s.boxes), labels
+        if self.recipe is not None:  # issue 39 (g-geometry): the one call the read/ decoder stage makes
+            try:
+                got = dec.place(s.payload, s.encoding, s.width, s.height, s.boxes, labels, self.recipe, self.seed,
+                                self.epoch, index, out=out, backend=self.backend, strict=True)
+            except ValueError as exc:
+                raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
+            image = None if got.image is out else chw(got.image)
+            return (image if image is None or self.transform is None else self.transform(image)), got.boxes, \
+                got.box_labels
         # strict: libjpeg's warnings are damage, never made-up pixels
         if self.size is not None:
             img = dec.resize(pixels(s, self.backend, self.size, strict=True), self.size, out=out)
@@ -244,14 +256,13 @@ class Decoder:
             image = chw(np.ascontiguousarray(img))
             if self.transform is not None:
                 image = self.transform(image)
-        return image, _boxes_for(s, img.shape[0], img.shape[1])
+        return image, _boxes_for(s, img.shape[0], img.shape[1]), labels
 
     def item(self, s: Sample, index: int) -> Item:
         """Sample ``index`` (stored as ``s``) as the per-sample dict of a batch holding it:
         the same stages (:meth:`one`), without building a batch around it."""
-        image, boxes = self.one(s)  # boxes: a fresh float32[N, 4] array
-        return item(image, int(s.label), torch.from_numpy(boxes),
-                    torch.from_numpy(np.array(s.box_labels, np.int64).reshape(-1)), s.key, index)
+        image, boxes, labels = self.one(s, None, index)  # fresh arrays
+        return item(image, int(s.label), torch.from_numpy(boxes), torch.from_numpy(labels), s.key, index)
 
     @staticmethod
     def block(stored: StoredBatch) -> Batch:
@@ -269,6 +280,8 @@ class Decoder:
         every sample of the batch cost that much (each is then decoded on its own)."""
         if not self.decode or self.transform is not None:
             return None
+        if self.recipe is not None:
+            return self.recipe.size
         if self.size is not None:
             return self.size
         if not isinstance(first, Sample):
@@ -290,15 +303,15 @@ class Decoder:
         shape = self._shape(first, n)
         buf = batch_buffer((n, *shape, 3)) if shape is not None else None
         rows = buf.numpy() if buf is not None else None
-        unresized = self.size is None
+        unresized = self.size is None and self.recipe is None
 
-        def one(j: int) -> tuple[Sample, Any, np.ndarray] | PackioError:
+        def one(j: int) -> tuple[Sample, Any, np.ndarray, np.ndarray] | PackioError:
             s = first if j == 0 else sample(j)
             if isinstance(s, PackioError):
                 return s
             fits = rows is not None and (not unresized or (s.height, s.width) in (shape, (0, 0)))
             try:
-                return (s, *self.one(s, rows[j] if fits else None))  # type: ignore[index]
+                return (s, *self.one(s, rows[j] if fits else None, int(idx[j])))  # type: ignore[index]
             except PackioError as exc:
                 return exc
 
@@ -312,7 +325,7 @@ class Decoder:
         ok = [r for r in got if r is not None]
         images = _images(buf, [r[1] if r else None for r in got], kept)
         boxes = [np.asarray(r[2], np.float32).reshape(-1, 4) for r in ok]
-        box_labels = [np.asarray(r[0].box_labels, np.int64).reshape(-1) for r in ok]
+        box_labels = [r[3] for r in ok]
         return Batch(images, torch.tensor([r[0].label if r else -1 for r in got], dtype=torch.int64),
                      torch.from_numpy(np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)),
                      torch.from_numpy(np.concatenate(box_labels) if box_labels else np.zeros(0, np.int64)),
@@ -361,7 +374,7 @@ class Items:
         """True when a stored pixel block is exactly the batch's images (stored pixels of
         one shape, nothing to decode, resize, transform or verify)."""
         d, shape = self.decoder, self._stored_shape
-        return (shape is not None and d.transform is None and not d.verify
+        return (shape is not None and d.transform is None and not d.verify and d.recipe is None
                 and (not d.decode or d.size is None or d.size == shape))
 
     def get(self, indices: Sequence[int]) -> Batch:
