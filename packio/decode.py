@@ -598,7 +598,10 @@ class _Handle:
             raise MemoryError("tj3Init failed")
 
     def __del__(self) -> None:
-        self.lib.tj3Destroy(self.h)
+        try:
+            self.lib.tj3Destroy(self.h)
+        except Exception:  # at interpreter exit ctypes may be half torn down: the process frees it anyway
+            pass
 
 
 _handles = threading.local()
@@ -621,7 +624,7 @@ def _region_window(data: bytes | memoryview, p: geo.Plan, strict: bool,
     tj = getattr(_handles, "tj", None)
     if tj is None:
         tj = _handles.tj = _Handle(lib)
-    buf = bytes(data) if isinstance(data, memoryview) else data
+    buf = data if isinstance(data, bytes) else bytes(data)  # ctypes passes bytes without a copy
     if lib.tj3DecompressHeader(tj.h, buf, len(buf)) != 0 or lib.tj3Get(tj.h, _TJ_PRECISION) != 8:
         return None
     w, h, step = lib.tj3Get(tj.h, _TJ_WIDTH), lib.tj3Get(tj.h, _TJ_HEIGHT), _IMCU.get(lib.tj3Get(tj.h, _TJ_SUBSAMP))

@@ -11,7 +11,9 @@ torchvision is not in packio's environment (and stays out of it): the "torchvisi
 torchvision's default ImageNet recipe written out with its documented rule (PIL decode,
 ``RandomResizedCrop.get_params``'s window, PIL's bilinear resized crop, flip, PILToTensor) in a
 torch DataLoader. FFCV runs under ``--ffcv-python`` (a Python with ffcv installed: the peers venv,
-../shared/peers/README.md); without it its rows say "unavailable".
+../shared/peers/README.md); without it its rows are left out. L3 (the issue's): decode + crop +
+resize + flip of in-memory bytes in 2 processes, each image decoded whole; "L3 packio's decode" and
+the other limits decode as packio does (DCT scaling; a crop region where libjpeg-turbo 3 is found).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ TRAIN = {"random_resized_crop": SIZE, "flip_p": 0.5}
 EVAL = {"short_side": SHORT, "center_crop": SIZE}
 # row name → (kind, data, extra config); data: "orig" or "256"
 ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "L3 full decode, 2 procs": ("limit", "orig", {"recipe": "train", "dct": False}),
+    "L3 full decode, 2 procs": ("limit", "orig", {"recipe": "train", "dct": False}),  # the issue's L3
     "L3 packio's decode, 2 procs": ("limit", "orig", {"recipe": "train", "dct": True}),
     "packio nw=0": ("packio", "orig", {"recipe": "train", "nw": 0}),
     "packio nw=2": ("packio", "orig", {"recipe": "train", "nw": 2}),
@@ -145,7 +147,7 @@ def _limit_part(blobs: list[bytes], recipe: dict[str, Any], dct: bool, start: in
     r, out = geo.Recipe(**recipe), np.empty((SIZE, SIZE, 3), np.uint8)
     for k, b in enumerate(blobs):
         h, w = simplejpeg.decode_jpeg_header(b)[:2]
-        dec.decode_window(b, geo.plan(r, h, w, 0, 0, start + 2 * k), out, dct=dct)
+        dec.decode_window(b, geo.plan(r, h, w, 0, 0, start + 2 * k), out, dct=dct, region=dct)
     return len(blobs)
 
 
@@ -259,9 +261,10 @@ def _case(a: Any, name: str, paths: dict[str, str]) -> Callable[[], float]:
     else:  # in-memory limits and the torchvision-style folder read the bytes each dataset holds
         cfg["folder"] = str(Path(a.work) / ("src" if data == "orig" else "src256"))
     python = a.ffcv_python if kind == "ffcv" else None
+    env = {"PACKIO_LIBTURBOJPEG": a.turbojpeg_lib} if a.turbojpeg_lib else None
 
     def run() -> float:
-        got = fresh(__file__, cfg, python=python)
+        got = fresh(__file__, cfg, env=env, python=python)
         if "error" in got:
             print(f"{name}: {got['error']}", file=sys.stderr)
         return float(got.get("rate", "nan"))
@@ -317,6 +320,8 @@ def table_cmd(argv: list[str]) -> int:
     ap.add_argument("--seconds", type=float, default=3.0, help="minimum seconds timed per row (3)")
     ap.add_argument("--ffcv-python", help="a Python with ffcv installed (the peers venv); else FFCV rows are skipped")
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), help="rows to run (default: all that can run)")
+    ap.add_argument("--turbojpeg-lib", help="a libturbojpeg >= 3.0 packio's rows and \"L3 packio's decode\" use "
+                                             "(PACKIO_LIBTURBOJPEG); the other limits decode whole images")
     a = ap.parse_args(argv)
     if a.data is None:
         from packio.bench.synth import make_photo_folder
@@ -327,8 +332,10 @@ def table_cmd(argv: list[str]) -> int:
     paths = _pack(a)
     _src256(a, paths)
     got = {k: median(v) for k, v in interleaved({n: _case(a, n, paths) for n in names}, a.rounds).items()}
+    lib = f"; libjpeg-turbo 3: {a.turbojpeg_lib}" if a.turbojpeg_lib else ""
     table(["row", "samples/s", "× limit", "× best peer"], _ratios(names, got),
-          title=f"W3, {min(a.n, len(_files(a.data, a.n)))} images, batches of {BATCH}, medians of {a.rounds} rounds")
+          title=f"W3, {min(a.n, len(_files(a.data, a.n)))} images, batches of {BATCH}, medians of {a.rounds} rounds"
+                + lib)
     return 0
 
 
