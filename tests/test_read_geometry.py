@@ -234,6 +234,25 @@ def test_box_crop_min_visible_rule():
     assert pb.tolist() == [[0, 2, 20, 20], [10, 12, 10, 12], [8, 2, 20, 20]]
 
 
+def test_plan_boxes_is_crop_resize_flip_composed():
+    """plan_boxes' one pass equals the rule functions one after the other, bit for bit."""
+    rng = np.random.default_rng(2)
+    for k in range(200):
+        h, w = int(rng.integers(20, 400)), int(rng.integers(20, 400))
+        xy = rng.uniform(-20, [w + 20, h + 20], (int(rng.integers(0, 12)), 2, 2)).astype(np.float32)
+        boxes = np.concatenate([xy.min(1), xy.max(1)], 1).astype(np.float32)
+        boxes[::5, 2] = boxes[::5, 0]  # some zero-width boxes
+        ch, cw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
+        p = geo.Plan(int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1)), ch, cw,
+                     int(rng.integers(8, 300)), int(rng.integers(8, 300)), bool(k % 2), h, w)
+        mv = (0.0, 0.3, 1.0)[k % 3]
+        got = geo.plan_boxes(boxes, np.arange(len(boxes)), p, mv)
+        b, lab = geo.crop(boxes, np.arange(len(boxes)), p.top, p.left, p.height, p.width, mv)
+        b = geo.resize(b, (p.height, p.width), (p.out_h, p.out_w))
+        b = geo.hflip(b, p.out_w) if p.flip else b
+        assert np.array_equal(got[0], b) and np.array_equal(got[1], lab) and got[2] == len(boxes) - len(b)
+
+
 def test_decode_window_into_a_batch_row_and_dct_scaling():
     img = np.zeros((480, 640, 3), np.uint8)
     img[100:300, 200:400] = 255
