@@ -66,15 +66,34 @@ def _files(folder: str, n: int) -> list[str]:
 
 # ---------------------------------------------------------------- children (one row each)
 
-def _loop(batches: Callable[[], Any], n: int, seconds: float) -> float:
-    """Samples/s of taking batches (restarting the epoch) until ``n`` samples and ``seconds`` are done."""
-    got, t0 = 0, time.perf_counter()
+def _cpu() -> float:
+    """CPU seconds of this process and its live children (DataLoader or pool workers); nan without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # a worker that just ended
+            pass
+    return total
+
+
+def _loop(batches: Callable[[], Any], n: int, seconds: float) -> dict[str, float]:
+    """Samples/s of taking batches (restarting the epoch) until ``n`` samples and ``seconds`` are
+    done, and the CPU µs per sample all processes spent meanwhile (steadier on a busy machine)."""
+    got, t0, c0 = 0, time.perf_counter(), _cpu()
     while got < n or time.perf_counter() - t0 < seconds:
         for b in batches():
             got += len(b[0]) if isinstance(b, (list, tuple)) else len(b["image"])
             if got >= n and time.perf_counter() - t0 >= seconds:
                 break
-    return got / (time.perf_counter() - t0)
+    return {"rate": got / (time.perf_counter() - t0), "cpu_us": (_cpu() - c0) / got * 1e6}
 
 
 def _warm(batches: Callable[[], Any], count: int = 3) -> None:
@@ -83,7 +102,7 @@ def _warm(batches: Callable[[], Any], count: int = 3) -> None:
             break
 
 
-def _packio_row(cfg: dict[str, Any]) -> float:
+def _packio_row(cfg: dict[str, Any]) -> dict[str, float]:
     import packio
 
     ds = packio.open_dataset(cfg["path"], **_recipe(cfg["recipe"]))
@@ -127,7 +146,7 @@ class TorchvisionStyle:
         return torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1), 0
 
 
-def _tv_row(cfg: dict[str, Any]) -> float:
+def _tv_row(cfg: dict[str, Any]) -> dict[str, float]:
     import torch
 
     dl = torch.utils.data.DataLoader(TorchvisionStyle(_files(cfg["folder"], cfg["n"])), batch_size=BATCH,
@@ -151,7 +170,7 @@ def _limit_part(blobs: list[bytes], recipe: dict[str, Any], dct: bool, start: in
     return len(blobs)
 
 
-def _limit_row(cfg: dict[str, Any]) -> float:
+def _limit_row(cfg: dict[str, Any]) -> dict[str, float]:
     """In-memory bytes in 2 processes (fork), the same per-sample work with no reading or batching."""
     import cv2
 
@@ -160,13 +179,13 @@ def _limit_row(cfg: dict[str, Any]) -> float:
     recipe = _recipe(cfg["recipe"])
     with mp.get_context("fork").Pool(2) as pool:
         pool.starmap(_limit_part, [(blobs[i:64:2], recipe, cfg["dct"], i) for i in range(2)])
-        got, t0 = 0, time.perf_counter()
+        got, t0, c0 = 0, time.perf_counter(), _cpu()
         while got < cfg["n"] or time.perf_counter() - t0 < cfg["seconds"]:
             got += sum(pool.starmap(_limit_part, [(blobs[i::2], recipe, cfg["dct"], i) for i in range(2)]))
-        return got / (time.perf_counter() - t0)
+        return {"rate": got / (time.perf_counter() - t0), "cpu_us": (_cpu() - c0) / got * 1e6}
 
 
-def _ffcv_row(cfg: dict[str, Any]) -> float:
+def _ffcv_row(cfg: dict[str, Any]) -> dict[str, float]:
     from ffcv.fields.basics import IntDecoder
     from ffcv.fields.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
@@ -184,7 +203,7 @@ def _ffcv_row(cfg: dict[str, Any]) -> float:
     return _loop(lambda: dl, cfg["n"], cfg["seconds"])
 
 
-def _ffcv_pack(cfg: dict[str, Any]) -> float:
+def _ffcv_pack(cfg: dict[str, Any]) -> dict[str, float]:
     """Write FFCV's .beton of the folder: JPEG q90 of the originals, or pre-resized to short side 256
     (cv2 INTER_AREA, as packio's --short-side), as the peers harness packs them."""
     import cv2
@@ -211,14 +230,14 @@ def _ffcv_pack(cfg: dict[str, Any]) -> float:
     DatasetWriter(tmp, {"image": RGBImageField(write_mode="jpg", max_resolution=None, jpeg_quality=90),
                         "label": IntField()}, num_workers=2).from_indexed_dataset(Src())
     os.replace(tmp, cfg["path"])
-    return 1.0
+    return {"rate": 1.0}
 
 
 def child(argv: list[str]) -> int:
     cfg = json.loads(argv[argv.index("--child") + 1])
     fn = {"packio": _packio_row, "tv": _tv_row, "limit": _limit_row, "ffcv": _ffcv_row,
           "ffcv-pack": _ffcv_pack}[cfg["kind"]]
-    print(json.dumps({"rate": fn(cfg)}))
+    print(json.dumps(fn(cfg)))
     return 0
 
 
@@ -251,7 +270,7 @@ def _pack(a: Any) -> dict[str, str]:
     return paths
 
 
-def _case(a: Any, name: str, paths: dict[str, str]) -> Callable[[], float]:
+def _case(a: Any, name: str, paths: dict[str, str], cpu: dict[str, list[float]]) -> Callable[[], float]:
     kind, data, extra = ROWS[name]
     cfg = {"kind": kind, "n": a.n, "seconds": a.seconds, **extra}
     if kind == "packio":
@@ -267,6 +286,7 @@ def _case(a: Any, name: str, paths: dict[str, str]) -> Callable[[], float]:
         got = fresh(__file__, cfg, env=env, python=python)
         if "error" in got:
             print(f"{name}: {got['error']}", file=sys.stderr)
+        cpu.setdefault(name, []).append(float(got.get("cpu_us", "nan")))
         return float(got.get("rate", "nan"))
 
     return run
@@ -287,23 +307,32 @@ def _src256(a: Any, paths: dict[str, str]) -> None:
     tmp.rename(out)
 
 
-def _ratios(names: list[str], got: dict[str, float]) -> list[list[Any]]:
-    """Rows with × their limit and × the best peer of the same data."""
+def _limit_of(name: str) -> str:
+    kind, data, extra = ROWS[name]
+    if extra.get("recipe") == "eval" or extra.get("decoder") == "center":
+        return "eval limit, 2 procs"
+    return {"orig": "L3 full decode, 2 procs", "256": "L3 256, 2 procs"}[data]
+
+
+def _ratios(names: list[str], got: dict[str, float], cpu: dict[str, float]) -> list[list[Any]]:
+    """Rows with × their limit, × the best peer of the same data, and CPU µs per sample with
+    the limit's CPU per sample ÷ the row's (the share of the row's CPU the bare work takes)."""
     def best(data: str) -> float:
         peers = [got[n] for n in names if ROWS[n][0] in ("tv", "ffcv") and ROWS[n][1] == data
                  and "eval" not in n and "center" not in n]
         return max((v for v in peers if math.isfinite(v)), default=float("nan"))
 
+    def fmt(v: float, spec: str) -> str:
+        return format(v, spec) if math.isfinite(v) else ""
+
     rows = []
     for n in names:
         kind, data, extra = ROWS[n]
-        limit = {"orig": "L3 full decode, 2 procs", "256": "L3 256, 2 procs"}[data]
-        if extra.get("recipe") == "eval" or extra.get("decoder") == "center":
-            limit = "eval limit, 2 procs"
-        lim = got.get(limit, float("nan"))
-        peer = best(data) if extra.get("recipe", "train") == "train" and kind != "limit" else float("nan")
-        rows.append([n, f"{got[n]:,.0f}", f"{got[n] / lim:.2f}" if lim == lim else "",
-                     f"{got[n] / peer:.2f}" if peer == peer and kind == "packio" else ""])
+        lim = got.get(_limit_of(n), float("nan"))
+        peer = best(data) if extra.get("recipe", "train") == "train" and kind == "packio" else float("nan")
+        cpu_lim = cpu.get(_limit_of(n), float("nan"))
+        rows.append([n, f"{got[n]:,.0f}", fmt(got[n] / lim, ".2f"), fmt(got[n] / peer, ".2f"),
+                     fmt(cpu.get(n, float("nan")), ",.0f"), fmt(cpu_lim / cpu.get(n, float("nan")), ".2f")])
     return rows
 
 
@@ -331,9 +360,11 @@ def table_cmd(argv: list[str]) -> int:
     names = [n for n in (a.rows or ROWS) if a.ffcv_python or ROWS[n][0] != "ffcv"]
     paths = _pack(a)
     _src256(a, paths)
-    got = {k: median(v) for k, v in interleaved({n: _case(a, n, paths) for n in names}, a.rounds).items()}
+    cpu: dict[str, list[float]] = {}
+    got = {k: median(v) for k, v in interleaved({n: _case(a, n, paths, cpu) for n in names}, a.rounds).items()}
     lib = f"; libjpeg-turbo 3: {a.turbojpeg_lib}" if a.turbojpeg_lib else ""
-    table(["row", "samples/s", "× limit", "× best peer"], _ratios(names, got),
+    table(["row", "samples/s", "× limit", "× best peer", "CPU µs/sample", "limit CPU ÷ CPU"],
+          _ratios(names, got, {k: median(v) for k, v in cpu.items()}),
           title=f"W3, {min(a.n, len(_files(a.data, a.n)))} images, batches of {BATCH}, medians of {a.rounds} rounds"
                 + lib)
     return 0
