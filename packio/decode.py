@@ -548,11 +548,17 @@ def _fit(view: np.ndarray, p: geo.Plan, out: np.ndarray | None) -> np.ndarray:
 
 # libjpeg-turbo 3's TurboJPEG API decodes a region (``tj3SetCroppingRegion``): the IDCT and
 # colour conversion of the window's columns only, and no row below it. Measured (tools/w3.py
-# decode, ~500x400 photos, RandomResizedCrop 224): 1.3-1.7x a full decode + crop; a center
-# crop of 7/8 of each side gains nothing. Its 2.x API (Debian 12, Ubuntu 24.04: 2.1.5) has no
-# such call, and no well-kept wheel bundles a 3.x libturbojpeg; so it is used where one is
+# decode, one thread's CPU, RandomResizedCrop 224, busy machine): 1.24x a whole decode + crop on
+# ~500x400 synthetic photos, 1.17x on them pre-resized to short side 256, 1.47x (with DCT scaling
+# where the window allows) on hymenoptera's real photos (DCT scaling alone: 1.18x there, 1.0x on
+# the ~500 px ones); evaluation's center crop (7/8 of each side) gains 0-6 %. The 2.x API
+# (Debian 12, Ubuntu 24.04: 2.1.5) has no such call, and no well-kept wheel bundles a 3.x
+# libturbojpeg (PyTurboJPEG 2.x is ctypes over the system's; only ``turbojpeg`` 0.0.2, a 2023
+# one-author wheel of 3.0 beta, carries one); so it is used where one is
 # found (libjpeg-turbo's own packages install to /opt/libjpeg-turbo; Fedora, Arch, Homebrew and
-# conda ship 3.x), else the window comes from simplejpeg's whole-image decode.
+# conda ship 3.x), else the window comes from simplejpeg's whole-image decode. A lossless crop
+# first (tjTransform's TJXOPT_CROP, in 2.x too) then a decode of the crop measured 0.61x: the
+# transform entropy-decodes the whole image and re-encodes the crop.
 _TJ3_PATHS = ("/opt/libjpeg-turbo/lib64/libturbojpeg.so.0", "/opt/libjpeg-turbo/lib/libturbojpeg.so.0",
               "/usr/local/lib/libturbojpeg.so.0", "/usr/local/lib64/libturbojpeg.so.0",
               "/opt/homebrew/opt/jpeg-turbo/lib/libturbojpeg.dylib", "/usr/local/opt/jpeg-turbo/lib/libturbojpeg.dylib")
