@@ -335,9 +335,10 @@ def _ratios(names: list[str], got: dict[str, float], cpu: dict[str, float]) -> l
         kind, data, extra = ROWS[n]
         lim = got.get(_limit_of(n), float("nan"))
         peer = best(data) if extra.get("recipe", "train") == "train" and kind == "packio" else float("nan")
-        cpu_lim = cpu.get(_limit_of(n), float("nan"))
-        rows.append([n, f"{got[n]:,.0f}", fmt(got[n] / lim, ".2f"), fmt(got[n] / peer, ".2f"),
-                     fmt(cpu.get(n, float("nan")), ",.0f"), fmt(cpu_lim / cpu.get(n, float("nan")), ".2f")])
+        mine, cpu_lim = cpu.get(n, float("nan")), cpu.get(_limit_of(n), float("nan"))
+        share = cpu_lim / mine if mine > 0 else float("nan")  # 0: a run shorter than the CPU clock's tick
+        rows.append([n, f"{got[n]:,.0f}", fmt(got[n] / lim, ".2f"), fmt(got[n] / peer, ".2f"), fmt(mine, ",.0f"),
+                     fmt(share, ".2f")])
     return rows
 
 
