@@ -253,22 +253,32 @@ def test_same_crops_on_any_threads_and_workers_and_set_epoch_changes_them(square
     assert "dropped" not in plain  # no read-time crops: no count
 
 
-def test_crops_after_a_resume_on_another_world_size(squares):
-    """Two ranks stop after a batch in epoch 1; one rank with 2 workers resumes from their state:
-    every crop is the sample's read alone in epoch 1, and the epoch is read once in all."""
+@pytest.mark.parametrize("iterable", [True, False])
+def test_crops_after_a_resume_on_another_world_size(squares, iterable):
+    """Two ranks stop after a batch in epoch 1; one rank with 2 workers resumes from their state
+    (no set_epoch: the state says the epoch): every crop is the sample's read alone in epoch 1,
+    and the epoch is read once in all. Iterable, and map-style with a ResumableSampler."""
     paths, _ = squares
     kw = dict(RECIPES["train"], crop_seed=4)
     ref = _alone(paths["lmdb"], kw, 1)
+
+    def loader(rank: int, world: int, batch: int, **more) -> packio.DataLoader:
+        if iterable:
+            ds = packio.open_dataset(paths["lmdb"], iterable=True, shuffle=True, seed=3, rank=rank, world_size=world,
+                                     **kw)
+        else:
+            ds = packio.open_dataset(paths["lmdb"], **kw)
+            more["sampler"] = packio.ResumableSampler(len(ds), seed=3, rank=rank, world_size=world)
+        return packio.DataLoader(ds, batch_size=batch, **more)
+
     taken, states = [], []
     for rank in (0, 1):
-        ds = packio.open_dataset(paths["lmdb"], iterable=True, shuffle=True, seed=3, rank=rank, world_size=2, **kw)
-        dl = packio.DataLoader(ds, batch_size=2)
+        dl = loader(rank, 2, 2)
         dl.set_epoch(1)
         taken += _check_batch(next(iter(dl)), ref)
         states.append(dl.state_dict())
     assert states[0] == states[1] and states[0]["epoch"] == 1
-    ds = packio.open_dataset(paths["lmdb"], iterable=True, shuffle=True, seed=3, world_size=1, rank=0, **kw)
-    dl = packio.DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="fork")
+    dl = loader(0, 1, 3, num_workers=2, multiprocessing_context="fork")
     dl.load_state_dict(states[0])
     taken += [i for b in dl for i in _check_batch(b, ref)]
     assert sorted(taken) == list(range(len(ref)))

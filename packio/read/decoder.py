@@ -1,6 +1,7 @@
 """The decoder: indices of one reader, in one epoch → one :class:`Batch`. Read (``read_batch`` when the
 reader ``reads_batches``, else ``read`` per sample on the decode threads: reading overlaps decoding)
-→ verify → decode → resize (into one fresh buffer) → boxes → transform, under an error policy.
+→ verify → decode → resize or read-time crop (into one fresh buffer) → boxes → transform, under an
+error policy.
 """
 
 from __future__ import annotations
