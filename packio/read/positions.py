@@ -242,8 +242,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.length, self.seed, self.shuffle = check_int("length", n, 0), check_int("seed", seed, 0), shuffle
         if not isinstance(shuffle, bool) or not isinstance(replacement, bool):
             raise TypeError(f"shuffle and replacement must be True or False, not {shuffle!r}, {replacement!r}")
-        self.weights, self.replacement = _weights(weights, self.length, shuffle), replacement
-        draws = self.length if self.weights is None else _draws(self.weights, replacement, num_samples)
+        self.weights, draws = _weights(weights, self.length, shuffle, replacement, num_samples)
+        self.replacement = replacement
         self.position = Position(draws, type(self).__name__, rank=rank, world_size=world_size, even=even)
         self.order_fields = {"seed": self.seed, "shuffle": shuffle, "weights": None if self.weights is None else
                              f"{replacement}:{xxhash.xxh3_64_hexdigest(self.weights.tobytes())}"}
@@ -286,23 +286,21 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.position.load_state_dict({"epoch": epoch, "consumed": consumed})
 
 
-def _weights(weights: Any, n: int, shuffle: bool) -> np.ndarray | None:
+def _weights(weights: Any, n: int, shuffle: bool, replacement: bool, num_samples: int | None
+             ) -> tuple[np.ndarray | None, int]:
+    """The weights checked (a copy: the caller's may change later) and the draws per epoch."""
     if weights is None:
-        return None
-    w = np.array(weights, np.float64)  # a copy: the caller's array may change later
+        return None, n
+    w = np.array(weights, np.float64)
     if w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or not 0 < w.sum() < np.inf or not shuffle:
         raise ValueError(f"weights must be {n} finite numbers >= 0 (one per sample; got shape {w.shape}) with a "
                          f"positive finite sum, and they draw at random: leave shuffle=True")
-    return w
-
-
-def _draws(w: np.ndarray, replacement: bool, num_samples: int | None) -> int:
-    top = len(w) if replacement else int(np.count_nonzero(w))
+    top = n if replacement else int(np.count_nonzero(w))
     draws = top if num_samples is None else check_int("num_samples", num_samples, 1)
     if draws > top and not replacement:
         raise ValueError(f"num_samples={draws}, but without replacement only the {top} samples of positive weight "
                          f"can be drawn; lower it or draw with replacement=True")
-    return draws
+    return w, draws
 
 
 def dist_info(rank: int | None = None, world: int | None = None) -> tuple[int, int]:
