@@ -780,3 +780,38 @@ def test_a_nested_mix_with_a_url_source_resumed_on_another_world(world, tmp_path
     ds = make()
     for s, k, c in take(ds)[0]:
         assert c == cls_of(k), (s, k, c)
+
+
+def test_box_labels_by_name_across_an_append_and_a_mix(gen_folder, tmp_path):
+    """gen_folder's CSV boxes (box_cats, box_dogs), an appended part whose CSV brings box_owls and
+    box_dogs, mixed with a dataset whose box classes come in another order: every box's class NAME
+    is the one its CSV row gave."""
+    from conftest import TRUTH
+
+    root, csv_path = gen_folder
+    truth = {k: v[2] for k, v in TRUTH[str(root)].items()}
+    dst = tmp_path / "x.wds"
+    pack(root, dst, csv=csv_path)
+    more = folder(tmp_path / "more", {"owls": 3}, "o")
+    rows = ["filename,width,height,class,xmin,ymin,xmax,ymax"]
+    for k in range(3):
+        names = ["box_owls", "box_dogs"][: k + 1]
+        rows += [f"oowls{k:02d}.jpg,{HW},{HW},{n},1,1,{8 + j},{9 + j}" for j, n in enumerate(names)]
+        truth[f"owls/oowls{k:02d}.jpg"] = names
+    (tmp_path / "more.csv").write_text("\n".join(rows) + "\n")
+    pack(more, dst, append=True, csv=tmp_path / "more.csv")
+    other = tmp_path / "y"
+    folder(other, {"bats": 2}, "y")
+    (tmp_path / "y.csv").write_text("filename,width,height,class,xmin,ymin,xmax,ymax\n"
+                                    f"ybats00.jpg,{HW},{HW},box_zebra,1,1,5,5\nybats01.jpg,{HW},{HW},box_dogs,1,1,5,5\n")
+    truth["bats/ybats00.jpg"], truth["bats/ybats01.jpg"] = ["box_zebra"], ["box_dogs"]
+    y = pack(other, tmp_path / "y.lmdb", csv=tmp_path / "y.csv")
+    ds = packio.mix([y, str(dst)], resize=HW, even=None)
+    seen = 0
+    for b in packio.DataLoader(ds, batch_size=4, num_workers=2):
+        for key, bl in zip(b["key"], b["box_labels"]):  # packio.collate: one tensor per sample
+            got = sorted(ds.box_classes[int(i)] for i in bl)
+            assert got == sorted(truth[key]), (key, got, truth[key])
+            seen += 1
+    assert seen == len(ds)
+
