@@ -739,8 +739,11 @@ def test_a_dataset_bigger_than_the_cache_limit_says_both_sizes(world, tmp_path):
     total = sum(p.stat().st_size for p in Path(world["b_local"]).rglob("*") if p.is_file())
     with pytest.raises(packio.RemoteError) as exc:
         packio.open_dataset(world["b"], iterable=True, cache_dir=str(tmp_path), cache_limit=int(total * 0.8))
-    sizes = [w for w in str(exc.value).split() if w.replace(".", "").isdigit()]
-    assert len(set(sizes)) == 2, str(exc.value)
+    import re
+
+    msg = str(exc.value).split(world["b"])[-1]
+    dataset, _, limit = msg.partition("limit")
+    assert set(re.findall(r"\d[\d.,]*", dataset)) != set(re.findall(r"\d[\d.,]*", limit)), msg
 
 
 def _sequence(ds: Any, **loader: Any) -> list[tuple[int, str]]:
