@@ -818,3 +818,21 @@ def test_box_labels_by_name_across_an_append_and_a_mix(gen_folder, tmp_path):
             seen += 1
     assert seen == len(ds)
 
+
+
+def test_the_shard_pattern_packio_info_prints_for_an_appended_url_wds_opens_in_webdataset(world):
+    """A stranger pastes the pattern `packio info URL` prints into webdataset.WebDataset: every
+    sample of every part, once (docs/remote.md: 'ready for webdataset.WebDataset')."""
+    import webdataset as wds
+
+    info = subprocess.run([str(Path(packio.__file__).parents[1] / ".venv" / "bin" / "packio"), "info", world["b"]],
+                          capture_output=True, text=True, timeout=60)
+    line = next(x for x in info.stdout.splitlines() if x.startswith("shards:"))
+    pattern = line.split("samples: ", 1)[1].strip()
+    seen = Counter()
+    try:
+        for x in wds.WebDataset(pattern, shardshuffle=False, empty_check=False):
+            seen[x["__key__"]] += 1
+    except Exception as exc:  # noqa: BLE001 (what webdataset raises for a pattern it cannot read)
+        pytest.fail(f"webdataset cannot read {pattern!r}: {type(exc).__name__}: {exc}")
+    assert sorted(int(k) for k in seen) == list(range(15)), pattern
