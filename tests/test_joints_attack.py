@@ -836,3 +836,15 @@ def test_the_shard_pattern_packio_info_prints_for_an_appended_url_wds_opens_in_w
     except Exception as exc:  # noqa: BLE001 (what webdataset raises for a pattern it cannot read)
         pytest.fail(f"webdataset cannot read {pattern!r}: {type(exc).__name__}: {exc}")
     assert sorted(int(k) for k in seen) == list(range(15)), pattern
+
+
+def test_converting_a_mix_packs_it_or_says_a_mix_is_no_source(world, tmp_path):
+    """A careless user hands packio.convert the mix they train on: its samples packed, or an error
+    about the mix, not 'no such file or folder' about an object's repr."""
+    ds = a_mix(world, tmp_path)
+    try:
+        out = packio.convert(ds, tmp_path / "m.lmdb", progress=False).output
+    except (packio.PackioError, TypeError) as exc:
+        assert "no such file" not in str(exc) and "object at 0x" not in str(exc), str(exc)
+        return
+    assert len(packio.open_dataset(str(out))) == len(ds)
