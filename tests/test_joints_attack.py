@@ -162,7 +162,8 @@ def _swapped(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("suffix,workers", [(".lmdb", 0), (".lmdb", 2), (".wds", 2), (".bmpdir", 2), (".arrays", 0)])
+# one worker where a worker raises: torch then waits 5 s per worker to shut them down (plain torch does too)
+@pytest.mark.parametrize("suffix,workers", [(".lmdb", 0), (".lmdb", 1), (".wds", 1), (".bmpdir", 1), (".arrays", 0)])
 def test_overwrite_while_streaming_is_replaced_never_wrong_data(tmp_path, suffix, workers):
     """Batches read after a re-pack are the old version's or a DatasetReplacedError, and the
     replacement is noticed by the next epoch at the latest ('--overwrite still makes old
@@ -195,7 +196,7 @@ def test_overwrite_of_a_mixed_source_under_workers_is_replaced(world, tmp_path):
     dst = pack(src, tmp_path / "d.lmdb")
     swapped = _swapped(src, tmp_path / "new")
     ds = packio.mix([packio.open_dataset(dst, iterable=True, resize=HW), opened(world, "c", tmp_path)], even=None)
-    dl = packio.DataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=1)
+    dl = packio.DataLoader(ds, batch_size=2, num_workers=1, prefetch_factor=1)
     got, raised = [], []
     for epoch in range(2):
         dl.set_epoch(epoch)
@@ -641,7 +642,7 @@ def test_a_url_source_re_uploaded_under_a_streaming_mix(world, tmp_path):
     swapped = _swapped(src, tmp_path / "new")
     ds = packio.mix([packio.open_dataset(f"{world['url']}/f.wds", iterable=True, resize=HW,
                                          cache_dir=str(tmp_path / "cache")), opened(world, "a", tmp_path)], even=None)
-    dl = packio.DataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=1)
+    dl = packio.DataLoader(ds, batch_size=2, num_workers=1, prefetch_factor=1)
     got, raised = [], []
     for epoch in range(2):
         dl.set_epoch(epoch)
@@ -663,7 +664,7 @@ def test_map_style_url_wds_range_reads_after_a_re_upload_under_workers(world, tm
     pack(src, served, shard_samples=2)
     swapped = _swapped(src, tmp_path / "new")
     ds = packio.open_dataset(f"{world['url']}/g.wds", resize=HW, cache_dir=str(tmp_path / "cache"))
-    dl = packio.DataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=1, shuffle=True)
+    dl = packio.DataLoader(ds, batch_size=2, num_workers=1, prefetch_factor=1, shuffle=True)
     got = []
     with pytest.raises(packio.DatasetReplacedError):
         for epoch in range(2):
@@ -681,7 +682,7 @@ def test_foreign_shards_rewritten_under_a_streaming_mix(world, tmp_path):
     want = _foreign(tmp_path / "theirs")
     ds = packio.mix([packio.open_dataset(str(tmp_path / "theirs"), iterable=True, resize=HW),
                      opened(world, "c", tmp_path)], even=None)
-    dl = packio.DataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=1)
+    dl = packio.DataLoader(ds, batch_size=2, num_workers=1, prefetch_factor=1)
     got, raised = [], []
     for epoch in range(2):
         dl.set_epoch(epoch)
