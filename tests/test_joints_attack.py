@@ -849,3 +849,26 @@ def test_converting_a_mix_packs_it_or_says_a_mix_is_no_source(world, tmp_path):
         assert "no such file" not in str(exc) and "object at 0x" not in str(exc), str(exc)
         return
     assert len(packio.open_dataset(str(out))) == len(ds)
+
+
+def test_an_appended_lmdb_uploaded_to_s3_mixed_with_http_one_cache_resumed(world, bucket, s3_server, tmp_path):
+    """append -> 'packio convert LOCAL s3://... ' (the docs' way to grow a URL dataset) -> a mix of it and
+    an HTTP .wds in one small cache, stopped on 2 ranks x 2 workers, resumed on 3 x 1: each sample once,
+    labelled by name, the cache within its limit at the end."""
+    url = f"s3://{bucket}/a.wds"
+    packio.convert(world["a"], url, shard_samples=3, progress=False)
+    cache = tmp_path / "cache"
+    limit = 400_000
+
+    def make(**kw: Any) -> Any:
+        return packio.mix([packio.open_dataset(url, iterable=True, resize=HW, cache_dir=str(cache), cache_limit=limit),
+                           packio.open_dataset(world["c"], iterable=True, resize=HW, cache_dir=str(cache),
+                                               cache_limit=limit)], even=None, **kw)
+    got, state = [], None
+    for r in range(2):
+        part, st, _ = take(make(rank=r, world_size=2), stop=2, num_workers=2)
+        got, state = got + part, state or st
+    for r in range(3):
+        got += take(make(rank=r, world_size=3), state=state, num_workers=1)[0]
+    check_once(got, all_keys(world, names=("a", "c")))
+    assert _cache_bytes(cache) <= limit
