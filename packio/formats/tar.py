@@ -411,6 +411,10 @@ def tar_pattern(where: str, m: Manifest) -> str | None:
     if len(inner) == 1 and outer:
         names = _brace(list(next(iter(inner))))
         return f"{where}/{outer}/{names}" if names else None
+    heads = sorted(groups, key=lambda head: (head != "", head))  # grown by --append: the top folder's first
+    each = [(f"{head}/" if head else "") + (_brace(groups[head]) or "") for head in heads]
+    if all(e and not e.endswith("/") and "," not in e for e in each):  # one nested brace pattern: URLs too
+        return f"{where}/{{{','.join(each)}}}"
     glob = f"{where}/*/*.tar"
     if "" in groups:  # grown by convert --append: the first part's shards lie in the top folder
         glob = f"{where}/*.tar + {glob}"
