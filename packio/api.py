@@ -50,12 +50,18 @@ def open_dataset(path: Any, *, iterable: bool = False, options: Any = None, cach
     return ds
 
 
+_REMOTE_OPTIONS = ("cache_dir", "cache_limit", "storage_options", "prefetch", "retries", "timeout", "retry_seconds")
+
+
 def mix(sources: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
     """:func:`packio.read.mix.mix`, a source given as a URL opened here first (its reader
-    read with the mix's decode options)."""
+    read with the mix's decode options; ``cache_dir``, ``cache_limit``, ``storage_options``,
+    ``prefetch``, ``retries``, ``timeout`` and ``retry_seconds`` open it, as in
+    :func:`open_dataset`)."""
     from packio.read.mix import mix as mix_sources
 
-    return mix_sources([open_reader(s) if is_url(s) else s for s in sources], *args, **kwargs)
+    remote = {k: kwargs.pop(k) for k in _REMOTE_OPTIONS if k in kwargs}
+    return mix_sources([open_reader(s, **remote) if is_url(s) else s for s in sources], *args, **kwargs)
 
 
 def convert(src: Any, dst: str | Path, *args: Any, storage_options: dict[str, Any] | None = None,

@@ -103,6 +103,8 @@ def test_round_trip(packed):
         assert (s.width, s.height) != (0, 0)
         seen.add(s.key)
     assert seen == set(want)
+    truth = [want[ds.reader.key(i)] for i in range(len(ds))]  # ds.labels: from the columns or records alone
+    assert ds.labels.tolist() == [t[1] for t in truth] and ds.box_counts.tolist() == [len(t[2]) for t in truth]
     assert not summary.skipped
     # the decoded view agrees with the raw one
     item = packio.open_dataset(path)[0]
@@ -246,7 +248,7 @@ def test_the_reader_contract_is_declared_not_wrapped():
     from packio.remote.reader import RemoteTarReader
 
     for cls in {spec.reader for spec in SPECS.values()} | {MultiPartReader, RemoteTarReader}:
-        assert [n for n in ("read", "read_batch", "key") if getattr(cls, n) is not getattr(Reader, n)] == [], cls
+        assert [n for n in ("read", "read_batch", "key", "columns") if getattr(cls, n) is not getattr(Reader, n)] == [], cls
         assert isinstance(cls.reads_batches, bool) and isinstance(cls.streams, bool), cls
     assert "__init_subclass__" not in Reader.__dict__
     assert RemoteTarReader.streams and RemoteTarReader.reads_batches and not SPECS["tar"].reader.streams

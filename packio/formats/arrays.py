@@ -18,7 +18,7 @@ import numpy as np
 from packio import limits
 from packio.formats.base import FormatSpec, RecordFile, WriteOptions, Writer, decode_stored, fixed_image_shape
 from packio.formats.reader import Reader, StoredBatch, inside
-from packio.formats.columns import NAMES, ColumnBuffer, Columns
+from packio.formats.columns import NAMES, ColumnBuffer, Columns, LabelColumns
 from packio.formats.parts import part_paths, samples_text
 from packio.formats.spill import SpilledColumn, npy_header
 from packio.manifest import Manifest
@@ -205,6 +205,10 @@ class ArrayReader(Reader):
         labels, boxes, box_labels, counts = columns.take(idx)
         return StoredBatch(idx, pixels=out, labels=labels, boxes=boxes, counts=counts, box_labels=box_labels,
                            keys=keys[idx].tolist())
+
+    def _load_columns(self) -> LabelColumns:
+        """From ``labels.npy`` and ``box_offsets.npy``: no record, no image read."""
+        return self._meta()[0].counted()
 
     def _load_key(self, i: int) -> str:
         """From ``keys.npy`` (with the label columns, loaded once): no image, no record read."""

@@ -10,13 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from packio import limits
 from packio.errors import CorruptSampleError
 from packio.formats.base import FormatSpec, RecordFile, WriteOptions, Writer, decode_stored, payload_bytes
 from packio.formats.parts import part_paths, samples_text
 from packio.formats.reader import Reader, contained
 from packio.manifest import Manifest
-from packio.sample import Sample
+from packio.sample import Sample, sample_from_record
 
 __all__ = ["BMPWriter", "BMPReader", "FORMAT"]
 
@@ -74,6 +76,10 @@ class BMPReader(Reader):
     def _load_key(self, i: int) -> str:
         rec = RecordFile.get(self._h_idx, self._h_blob, i)
         return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self._load(i).key
+
+    def _load_records(self, idx: np.ndarray) -> list[Sample]:
+        """From ``records.bin`` alone: no image file opened."""
+        return [sample_from_record(RecordFile.get(self._h_idx, self._h_blob, i), b"") for i in idx.tolist()]
 
     def _load(self, i: int) -> Sample:
         rec = RecordFile.get(self._h_idx, self._h_blob, i)

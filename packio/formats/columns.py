@@ -18,7 +18,7 @@ import numpy as np
 from packio.errors import FormatError
 from packio.sample import Sample
 
-__all__ = ["NAMES", "ColumnBuffer", "Columns"]
+__all__ = ["NAMES", "ColumnBuffer", "Columns", "LabelColumns"]
 
 NAMES = ("labels", "boxes", "box_labels", "box_offsets")
 
@@ -97,3 +97,35 @@ class Columns:
         if isinstance(rows, slice):
             return self.labels[idx], self.boxes[rows].copy(), self.box_labels[rows].copy(), counts
         return self.labels[idx], self.boxes[rows], self.box_labels[rows], counts
+
+    def counted(self) -> "LabelColumns":
+        """The labels and each sample's box count (a reader's :meth:`columns`)."""
+        return LabelColumns(self.labels, np.diff(self.box_offsets))
+
+
+@dataclass(frozen=True)
+class LabelColumns:
+    """Every sample's ``labels`` (int64[N], -1: none) and ``box_counts`` (int64[N]), read
+    without decoding an image (:meth:`packio.formats.reader.Reader.columns`)."""
+
+    labels: np.ndarray
+    box_counts: np.ndarray
+
+    def __post_init__(self) -> None:
+        for a in (self.labels, self.box_counts):
+            a.flags.writeable = False  # read once, handed to every caller: nobody's edit may change them
+
+    @classmethod
+    def joined(cls, parts: list["LabelColumns"], maps: list[list[int]] | None = None) -> "LabelColumns":
+        """Parts one after another; ``maps[k]``: part ``k``'s class ids as ids of one list (an id
+        it does not map: -1), as a mix relabels its sources."""
+        labels = [p.labels if maps is None else np.asarray([*maps[k], -1], np.int64)[
+            np.where((p.labels >= 0) & (p.labels < len(maps[k])), p.labels, -1)] for k, p in enumerate(parts)]
+        empty = np.zeros(0, np.int64)
+        return cls(np.concatenate([empty, *labels]), np.concatenate([empty, *(p.box_counts for p in parts)]))
+
+    def class_counts(self, names: list[str]) -> dict[str, int]:
+        """Samples per class, every name of ``names`` in order (0 included): ``list(values())``
+        is indexed by label. Samples without a label (-1) are not counted."""
+        counts = np.bincount(self.labels[self.labels >= 0], minlength=len(names))
+        return dict(zip(names, counts[:len(names)].tolist()))

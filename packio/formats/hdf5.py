@@ -25,7 +25,7 @@ from packio.errors import CorruptSampleError, FormatError
 from packio.formats.base import (FormatSpec, WriteOptions, Writer, decode_stored, file_starts_with, fixed_image_shape,
                                  pack_record, payload_bytes, unpack_record)
 from packio.formats.reader import Reader, StoredBatch
-from packio.formats.columns import ColumnBuffer, Columns
+from packio.formats.columns import ColumnBuffer, Columns, LabelColumns
 from packio.formats.parts import part_paths, samples_text
 from packio.manifest import Manifest
 from packio.sample import Sample
@@ -357,6 +357,10 @@ class HDF5Reader(Reader):
         labels, boxes, box_labels, counts = columns.take(idx)
         return StoredBatch(idx, pixels=out, labels=labels, boxes=boxes, counts=counts, box_labels=box_labels,
                            keys=keys)
+
+    def _load_columns(self) -> LabelColumns:
+        """From the label/box columns: no record, no image read."""
+        return self._columns().counted() if self.manifest.count else super()._load_columns()
 
     def _columns(self) -> Columns:
         """The label/box columns, read and checked once (declared shapes against the file first)."""

@@ -20,7 +20,7 @@ from packio.formats.base import FormatSpec, WriteOptions, Writer, decode_stored,
 from packio.formats.parts import part_paths, samples_text
 from packio.formats.reader import Reader, inside
 from packio.manifest import Manifest
-from packio.sample import Sample
+from packio.sample import Sample, sample_from_record
 
 __all__ = ["LMDBWriter", "LMDBReader", "FORMAT"]
 
@@ -303,11 +303,18 @@ class LMDBReader(Reader):
         rec = unpack_record(value[4:4 + n], f"#{i}")
         return decode_stored(rec, bytes(value[4 + n:]), f"#{i}")
 
+    def _record(self, i: int) -> Any:
+        value, n = self._split(i)
+        return unpack_record(value[4:4 + n], f"#{i}")
+
+    def _load_records(self, idx: np.ndarray) -> list[Sample]:
+        """The records alone: the image bytes behind each are neither copied nor decoded."""
+        return [sample_from_record(self._record(i), b"") for i in idx.tolist()]
+
     def _load_key(self, i: int) -> str:
         """The record's key alone: the payload behind it is neither copied nor decoded
         (an append checks every stored key)."""
-        value, n = self._split(i)
-        rec = unpack_record(value[4:4 + n], f"#{i}")
+        rec = self._record(i)
         return rec["key"] if isinstance(rec, dict) and isinstance(rec.get("key"), str) else self._load(i).key
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from packio import limits
 from packio.errors import DatasetReplacedError, FormatError
 from packio.formats.base import FormatSpec
+from packio.formats.columns import LabelColumns
 from packio.formats.reader import Reader, inside
 from packio.manifest import MANIFEST_NAME, Manifest
 from packio.sample import Sample
@@ -94,6 +95,9 @@ class MultiPartReader(Reader):
     def _load_key(self, i: int) -> str:
         reader, j = self._locate(i)
         return reader.key(j)
+
+    def _load_columns(self) -> LabelColumns:
+        return LabelColumns.joined([r.columns() for r in self.parts])
 
     def units(self) -> list[range]:
         out: list[range] = []

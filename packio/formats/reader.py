@@ -1,9 +1,10 @@
 """The Reader contract. Callers (the read pipeline, verify, pack, the CLI) use only the
 public names: ``len``, ``manifest``, ``path``, ``check_index(es)``, ``read``,
-``read_batch``, ``key``, ``units``, ``plan``, ``fetch_all``, ``close`` and the declared
-capabilities ``reads_batches`` / ``streams``. A format implements the hooks (``_open``,
-``_load`` always; ``_load_key``, ``_load_batch``, ``_drop_handles``, ``_stored_id``,
-``units``, ``check_stored`` and the class methods where it knows better): the public
+``read_batch``, ``key``, ``columns``, ``units``, ``plan``, ``fetch_all``, ``close`` and the
+declared capabilities ``reads_batches`` / ``streams``. A format implements the hooks (``_open``,
+``_load`` always; ``_load_key``, ``_load_batch``, ``_load_records``, ``_load_columns``,
+``_drop_handles``, ``_stored_id``, ``units``, ``check_stored`` and the class methods where
+it knows better): the public
 methods, written out once here and never wrapped, turn a hook's native errors into packio
 errors. Replacement is all or nothing: once a call finds the dataset replaced, it and
 every later one raise ``DatasetReplacedError``; ``read_batch`` never puts that (or a
@@ -23,6 +24,7 @@ import numpy as np
 
 from packio import limits
 from packio.errors import CorruptSampleError, DatasetReplacedError, FormatError, PackioError, RemoteError
+from packio.formats.columns import LabelColumns
 from packio.manifest import MANIFEST_NAME, Manifest, manifest_id
 from packio.sample import Sample
 
@@ -149,6 +151,14 @@ class Reader(ABC):
         i = self.check_index(i)
         return self._door(self._load_key, i, i)
 
+    @final
+    def columns(self) -> LabelColumns:
+        """Every sample's label (-1: none) and box count, without decoding an image: from the
+        format's label columns, else its records alone. Read once per process."""
+        if "_h_labels" not in self.__dict__:
+            self._h_labels = self._door(self._load_columns, None)
+        return self._h_labels
+
     def units(self) -> list[range]:
         """Contiguous index ranges read as a unit by streaming (shards, blocks)."""
         n, step = len(self), 512
@@ -237,6 +247,20 @@ class Reader(ABC):
     def _load_batch(self, idx: np.ndarray, threads: Any) -> StoredBatch:
         """The batch sample by sample (each bad one its error, in its place)."""
         return StoredBatch(idx, samples=self._each(idx, self._load))
+
+    def _load_columns(self) -> LabelColumns:
+        """Labels and box counts from ``_load_records``, a block at a time."""
+        n = len(self)
+        labels, boxes = np.empty(n, np.int64), np.empty(n, np.int64)
+        for a in range(0, n, 4096):
+            for i, s in enumerate(self._load_records(np.arange(a, min(a + 4096, n))), a):
+                labels[i], boxes[i] = s.label, len(s.boxes)
+        return LabelColumns(labels, boxes)
+
+    def _load_records(self, idx: np.ndarray) -> list[Sample]:
+        """Samples ``idx`` for their labels and boxes: a format that keeps records apart from
+        the images reads the records alone (``payload`` then ``b""``)."""
+        return [self._load(i) for i in idx.tolist()]
 
     def _drop_handles(self) -> None:
         """Forget this process's handles (and, after fork, the parent's)."""

@@ -36,7 +36,7 @@ from packio.formats.base import (MAX_RECORD_BYTES, FormatSpec, WriteOptions, Wri
 from packio.formats.reader import Reader, StoredBatch, file_identity, folder_identity, inside
 from packio.formats.spill import SpilledColumn
 from packio.manifest import Manifest
-from packio.sample import EXTENSIONS, Sample, checksum, text_key
+from packio.sample import EXTENSIONS, Sample, checksum, sample_from_record, text_key
 from packio.sources.names import class_name
 
 __all__ = ["TarWriter", "TarReader", "ShardSource", "LocalShards", "FORMAT", "INDEX", "expand_pattern", "gather",
@@ -411,6 +411,10 @@ def tar_pattern(where: str, m: Manifest) -> str | None:
     if len(inner) == 1 and outer:
         names = _brace(list(next(iter(inner))))
         return f"{where}/{outer}/{names}" if names else None
+    heads = sorted(groups, key=lambda head: (head != "", head))  # grown by --append: the top folder's first
+    each = [(f"{head}/" if head else "") + (_brace(groups[head]) or "") for head in heads]
+    if all(e and not e.endswith("/") and "," not in e for e in each):  # one nested brace pattern: URLs too
+        return f"{where}/{{{','.join(each)}}}"
     glob = f"{where}/*/*.tar"
     if "" in groups:  # grown by convert --append: the first part's shards lie in the top folder
         glob = f"{where}/*.tar + {glob}"
@@ -681,6 +685,17 @@ class TarReader(Reader):
         finally:
             src.unstage()
 
+    def _load_records(self, idx: np.ndarray) -> list[Sample]:
+        """The ``.json`` members alone, staged as a batch (over a URL: concurrent range reads),
+        no image read; a foreign sample without one: its scanned label, no boxes."""
+        rows = self.index[idx]
+        rows[:, 1], rows[:, 2] = rows[:, 3], 0  # each image an empty span where its record starts
+        self.source.stage(rows[rows[:, 3] >= 0])
+        try:
+            return [self._sample(i, image=False) for i in idx.tolist()]
+        finally:
+            self.source.unstage()
+
     def _load_key(self, i: int) -> str:
         """The record's key (foreign shards: the scan's); not staged: a key is no read of
         the sample (it does not advance a streaming plan)."""
@@ -698,17 +713,18 @@ class TarReader(Reader):
                                               f"{DIGESTS} names")
         return unpack_record(blob, f"#{i}", text=True)
 
-    def _sample(self, i: int) -> Sample:
-        """Sample ``i`` from bytes the source has (staged); damage found while the source
-        says the dataset changed is that change, not a corrupt sample."""
+    def _sample(self, i: int, image: bool = True) -> Sample:
+        """Sample ``i`` from bytes the source has (staged; ``image=False``: its record alone);
+        damage found while the source says the dataset changed is that change, not a corrupt sample."""
         shard, ioff, isize, joff, jsize = (int(v) for v in self.index[i])
         src = self.source
         try:
-            payload = src.read(shard, ioff, isize, i)
+            payload = src.read(shard, ioff, isize, i) if image else b""
             if self.foreign is not None:
                 return self._stranger(i, shard, payload, joff, jsize)
-            sample = decode_stored(self._record(i, shard, joff, jsize), payload, f"#{i}")
-            if src.checks_samples and sample.checksum and checksum(payload) != sample.checksum:
+            rec = self._record(i, shard, joff, jsize)
+            sample = decode_stored(rec, payload, f"#{i}") if image else sample_from_record(rec, b"")
+            if image and src.checks_samples and sample.checksum and checksum(payload) != sample.checksum:
                 raise CorruptSampleError(f"#{i}", f"checksum mismatch in {src.names[shard]}")
             return sample
         except CorruptSampleError:

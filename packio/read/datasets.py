@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packio.errors import FormatError, StateError, is_url, redact
 from packio.formats import open_reader
+from packio.formats.columns import LabelColumns
 from packio.formats.reader import Reader
 from packio.options import DecodeOptions, check_int, merge_options
 from packio.read.batch import Batch, Item
@@ -56,6 +57,8 @@ class Source(ABC):
     def identity(self) -> dict[str, Any]: ...
     @abstractmethod
     def decoders(self) -> list[Decoder]: ...
+    @abstractmethod
+    def columns(self) -> LabelColumns: ...  # labels and box counts by id, no image decoded
 
     def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
         return {}
@@ -110,6 +113,9 @@ class Packed(Source):
     def decoders(self) -> list[Decoder]:
         return [self.decoder]
 
+    def columns(self) -> LabelColumns:
+        return self.reader.columns()
+
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _order=None)  # an epoch's whole order: not worth pickling
 
@@ -146,6 +152,18 @@ class Reading:
     @property
     def box_classes(self) -> list[str]:  # box class names: what ``box_labels`` index
         return list(self.source.box_classes)
+
+    @property
+    def labels(self) -> np.ndarray:  # each sample's index in ``classes`` (int64, -1: none), no image decoded
+        return self.source.columns().labels
+
+    @property
+    def box_counts(self) -> np.ndarray:  # each sample's number of boxes (int64), read as ``labels`` is
+        return self.source.columns().box_counts
+
+    @property
+    def class_counts(self) -> dict[str, int]:  # samples per name of ``classes``, in order (0 too; -1 not counted)
+        return self.source.columns().class_counts(self.classes)
 
     @property
     def threads(self) -> int | None:  # decode threads per batch (None: torch's CPU thread count)

@@ -20,6 +20,7 @@ import torch
 from packio.errors import StateError
 from packio.options import DecodeOptions, check_int, merge_options
 from packio.read.batch import Batch, Item, merge
+from packio.formats.columns import LabelColumns
 from packio.formats.reader import Reader
 from packio.read.datasets import Packed, PackedDataset, PackedIterableDataset, Source
 from packio.read.decoder import Decoder
@@ -216,6 +217,9 @@ class Mix(Source):
 
     def decoders(self) -> list[Decoder]:
         return [d for s in self.sources for d in s.decoders()]
+
+    def columns(self) -> LabelColumns:  # by id: the sources' one after another, in the mix's classes
+        return LabelColumns.joined([s.columns() for s in self.sources], self.class_map)
 
 
 def _union(lists: list[list[str]]) -> tuple[list[str], list[list[int]]]:

@@ -16,8 +16,8 @@ import torch
 from packio.errors import PackioError, StateError
 from packio.options import check_int
 
-__all__ = ["epoch_order", "rank_lengths", "worker_batches", "Split", "Cursor", "Position", "SharedPosition",
-           "ResumableSampler", "dist_info", "check_epoch", "units_digest", "make_state", "read_state"]
+__all__ = ["epoch_order", "weighted_order", "rank_lengths", "worker_batches", "Split", "Cursor", "Position",
+           "SharedPosition", "ResumableSampler", "dist_info", "check_epoch", "units_digest", "make_state", "read_state"]
 
 STATE_VERSION = 2  # 2: iterable states name their dataset and its order units
 MAX_EPOCH = (1 << 63) - 1  # epochs and positions travel as int64 (the workers' shared position)
@@ -43,6 +43,17 @@ def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int, units: Sequence
         idx = np.concatenate([np.arange(units[u].start, units[u].stop, dtype=np.int64) for u in perm[g:g + window]])
         out.append(idx[rng.permutation(len(idx))])
     return np.concatenate(out)
+
+
+def weighted_order(weights: np.ndarray, draws: int, *, replacement: bool, seed: int, epoch: int) -> np.ndarray:
+    """``draws`` indices drawn by ``weights`` (float64, >= 0): independent draws, or without
+    replacement the first of a weighted random order (keys ``Exp(1) / w``, Efraimidis-Spirakis;
+    weight 0: never drawn). A pure function of its arguments."""
+    rng = np.random.default_rng([seed, epoch])
+    if replacement:
+        return rng.choice(len(weights), draws, p=weights / weights.sum()).astype(np.int64)
+    with np.errstate(divide="ignore"):
+        return np.argsort(rng.exponential(size=len(weights)) / weights, kind="stable")[:draws].astype(np.int64)
 
 
 def rank_lengths(m: int, world: int, even: str | None) -> list[int]:
@@ -216,17 +227,26 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     (the same on any number of ranks) dealt to the ranks interleaved, ``even`` as for the iterable
     datasets. Rank and world size: given, else torch.distributed's. :meth:`state_dict` counts the
     indices handed out (what torchdata's StatefulDataLoader snapshots per batch);
-    ``packio.DataLoader`` counts the batches it yielded (:meth:`state_at`)."""
+    ``packio.DataLoader`` counts the batches it yielded (:meth:`state_at`). ``weights`` (one per
+    sample, >= 0): each epoch is ``num_samples`` draws by weight instead (default: the length, or
+    without ``replacement`` every sample of positive weight once), dealt and resumed the same way."""
 
     kind = "sampler"
 
     def __init__(self, length: int | Sized, *, shuffle: bool = True, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, even: str | None = "pad") -> None:
+                 world_size: int | None = None, even: str | None = "pad", weights: Any = None,
+                 replacement: bool = True, num_samples: int | None = None) -> None:
+        import xxhash
+
         n = len(length) if isinstance(length, Sized) and not isinstance(length, (int, np.integer)) else length
         self.length, self.seed, self.shuffle = check_int("length", n, 0), check_int("seed", seed, 0), shuffle
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"shuffle must be True or False, not {shuffle!r}")
-        self.position = Position(self.length, type(self).__name__, rank=rank, world_size=world_size, even=even)
+        if not isinstance(shuffle, bool) or not isinstance(replacement, bool):
+            raise TypeError(f"shuffle and replacement must be True or False, not {shuffle!r}, {replacement!r}")
+        self.weights, draws = _weights(weights, self.length, shuffle, replacement, num_samples)
+        self.replacement = replacement
+        self.position = Position(draws, type(self).__name__, rank=rank, world_size=world_size, even=even)
+        self.order_fields = {"seed": self.seed, "shuffle": shuffle, "weights": None if self.weights is None else
+                             f"{replacement}:{xxhash.xxh3_64_hexdigest(self.weights.tobytes())}"}
 
     @property
     def epoch(self) -> int:
@@ -240,7 +260,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         c = self.position.begin()
-        order = epoch_order(self.length, shuffle=self.shuffle, seed=self.seed, epoch=c.epoch)
+        order = epoch_order(self.length, shuffle=self.shuffle, seed=self.seed, epoch=c.epoch) if self.weights is None \
+            else weighted_order(self.weights, c.split.length, replacement=self.replacement, seed=self.seed,
+                                epoch=c.epoch)
         return self._indices(c, order[c.split.span(0, c.split.mine)].tolist())
 
     def _indices(self, c: Cursor, seq: list[int]) -> Iterator[int]:
@@ -252,7 +274,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
         """The state (JSON-safe) at global position ``consumed`` of ``epoch``."""
         p = self.position
-        return make_state(self.kind, epoch, consumed, p.length, p.world, p.even, seed=self.seed, shuffle=self.shuffle)
+        return make_state(self.kind, epoch, consumed, p.length, p.world, p.even, **self.order_fields)
 
     def state_dict(self) -> dict[str, Any]:
         """The global position: the same on every rank; resumes on any number of ranks."""
@@ -260,8 +282,25 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` stopped; :class:`packio.StateError` when it cannot exactly."""
-        epoch, consumed = read_state(state, self.kind, self.length, {"seed": self.seed, "shuffle": self.shuffle})
+        epoch, consumed = read_state(state, self.kind, self.position.length, self.order_fields)
         self.position.load_state_dict({"epoch": epoch, "consumed": consumed})
+
+
+def _weights(weights: Any, n: int, shuffle: bool, replacement: bool, num_samples: int | None
+             ) -> tuple[np.ndarray | None, int]:
+    """The weights checked (a copy: the caller's may change later) and the draws per epoch."""
+    if weights is None:
+        return None, n
+    w = np.array(weights, np.float64)
+    if w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or not 0 < w.sum() < np.inf or not shuffle:
+        raise ValueError(f"weights must be {n} finite numbers >= 0 (one per sample; got shape {w.shape}) with a "
+                         f"positive finite sum, and they draw at random: leave shuffle=True")
+    top = n if replacement else int(np.count_nonzero(w))
+    draws = top if num_samples is None else check_int("num_samples", num_samples, 1)
+    if draws > top and not replacement:
+        raise ValueError(f"num_samples={draws}, but without replacement only the {top} samples of positive weight "
+                         f"can be drawn; lower it or draw with replacement=True")
+    return w, draws
 
 
 def dist_info(rank: int | None = None, world: int | None = None) -> tuple[int, int]:

@@ -241,8 +241,9 @@ class Cache:
               threads: int) -> None:
         total = sum(size or 0 for size, _ in files.values())
         if self.limit is not None and total > self.limit:
-            raise RemoteError(f"{store}: this dataset is {total / 1e6:.1f} MB and is cached whole, more than "
-                              f"the cache limit of {self.limit / 1e6:.1f} MB; raise cache_limit")
+            raise RemoteError(f"{store}: this dataset is {total / 1e6:.1f} MB ({total} bytes) and is cached whole, "
+                              f"more than the cache limit of {self.limit / 1e6:.1f} MB ({self.limit} bytes); raise "
+                              f"cache_limit")
         self.reserve(vdir, total, whole=True)
 
         def one(item: tuple[str, FileInfo]) -> str:
