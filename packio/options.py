@@ -9,15 +9,18 @@ field of ``options``; a name that is no field is a ``TypeError``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
+from packio import geometry as geo
 from packio.decode import ResizeSpec
 from packio.errors import PackioError
 
-__all__ = ["PackOptions", "DecodeOptions", "ENCODE_CHOICES", "CHECKS", "RANGES", "merge_options", "check_int"]
+__all__ = ["PackOptions", "DecodeOptions", "ENCODE_CHOICES", "CHECKS", "RANGES", "GEOMETRY_FIELDS", "merge_options",
+           "check_int"]
 
 ENCODE_CHOICES = ("keep", "jpeg", "png", "bmp")
 CHECKS = ("auto", "header", "decode")
@@ -102,6 +105,14 @@ class DecodeOptions:
     (``None``) uses as many as torch's own CPU threads (``torch.get_num_threads()``:
     the cores in a training process, 1 in a DataLoader worker), or 1 with a
     ``transform`` (which then sees the samples in order, on one thread).
+
+    Read-time geometry, decoded on the decode threads into the one batch buffer
+    (torchvision's names and rules; see :class:`packio.geometry.Recipe`; boxes follow):
+    ``random_resized_crop=224`` (with ``crop_scale``, ``crop_ratio``) for training;
+    ``short_side=256, center_crop=224`` for evaluation; ``flip_p=0.5`` mirrors
+    left-right with that chance; ``min_visible``: a box with less of its area inside
+    the crop is dropped. Crops and flips are a pure function of ``(crop_seed, epoch,
+    sample index)``: no global RNG, the same on any threads, workers, ranks or resume.
     """
 
     decode: bool = True
@@ -111,6 +122,14 @@ class DecodeOptions:
     on_error: str = "raise"
     verify: bool = False
     threads: int | None = None
+    random_resized_crop: tuple[int, int] | None = None
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip_p: float = 0.0
+    short_side: int | None = None
+    center_crop: tuple[int, int] | None = None
+    min_visible: float = 0.0
+    crop_seed: int = 0
 
     def __post_init__(self) -> None:
         from packio import decode as dec
@@ -133,6 +152,39 @@ class DecodeOptions:
             raise ValueError(f"resize={self.resize!r} needs decode=True: with decode=False the stored bytes are "
                              f"handed out as they are; resize after your own decode, or drop resize=")
         object.__setattr__(self, "resize", size)
+        self._check_geometry()
+
+    def _check_geometry(self) -> None:
+        """The read-time geometry fields, checked and stored normalised (sizes as (h, w))."""
+        object.__setattr__(self, "crop_seed", check_int("crop_seed", self.crop_seed, 0))
+        recipe = geo.Recipe(**{f: getattr(self, f) for f in GEOMETRY_FIELDS})  # ValueError: the user's values
+        for name in GEOMETRY_FIELDS:
+            object.__setattr__(self, name, getattr(recipe, name))
+        if recipe.size is not None:
+            from packio import decode as dec
+
+            dec.check_pixels(recipe.size[1], recipe.size[0])
+        if recipe.active and not self.decode:
+            raise ValueError("random_resized_crop, short_side, center_crop and flip_p need decode=True: with "
+                             "decode=False the stored bytes are handed out as they are")
+
+    @functools.cached_property
+    def recipe(self) -> geo.Recipe | None:
+        """The read-time geometry (:class:`packio.geometry.Recipe`) when there is any
+        besides a plain squash ``resize``; None otherwise."""
+        recipe = geo.Recipe(**{f: getattr(self, f) for f in GEOMETRY_FIELDS})
+        return recipe if recipe.active else None
+
+    @property
+    def out_size(self) -> tuple[int, int] | None:
+        """(h, w) of every decoded image when the options fix it (the geometry's output, else
+        ``resize``); None when it follows each image's size."""
+        return self.recipe.size if self.recipe is not None else self.resize
+
+
+# The DecodeOptions fields that are a packio.geometry.Recipe's, by the same names.
+GEOMETRY_FIELDS = ("resize", "random_resized_crop", "crop_scale", "crop_ratio", "flip_p", "short_side",
+                   "center_crop", "min_visible")
 
 
 def _output_size(resize: Any) -> tuple[int, int] | None:

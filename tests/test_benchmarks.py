@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCH))
 
 SCRIPTS = {"loader.py": ["w1", "w1cpu", "w2", "w2cpu", "levers", "memory"], "convert.py": ["workers", "check", "dask"],
            "remote.py": [None], "gpu_run.py": [None], "peers_dali.py": [None], "ab.py": [None],
-           "read_cpu.py": [None], "cache_peak.py": [None]}
+           "read_cpu.py": [None], "cache_peak.py": [None], "w3.py": ["table", "decode"]}
 PEERS = ROOT.parent / "shared" / "peers" / "bench.py"
 
 
@@ -91,6 +91,20 @@ def test_read_cpu_runs_end_to_end_on_tiny_data(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith(("| lmdb-64", "| arrays-64"))]
     assert len(rows) == 2 and all(float(row[3]) > 0 and float(row[5]) > 0 for row in rows), r.stdout
+
+
+def test_w3_runs_end_to_end_on_tiny_data(gen_folder, tmp_path):
+    src, _ = gen_folder
+    rows = ["packio nw=0", "L3 full decode, 2 procs", "packio eval nw=0", "eval limit, 2 procs"]
+    r = run(str(BENCH / "w3.py"), "table", "--data", str(src), "--work", str(tmp_path / "w"), "--n", "16",
+            "--rounds", "1", "--seconds", "0", "--rows", *rows, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = {line.split("|")[1].strip(): line.split("|")[2:] for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert all(float(got[n][0].replace(",", "")) > 0 for n in rows), r.stdout
+    assert float(got["packio nw=0"][1]) > 0 and float(got["packio eval nw=0"][1]) > 0  # × its limit
+    r = run(str(BENCH / "w3.py"), "decode", "--data", str(src), "--n", "8", "--rounds", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("| train |") >= 3 and r.stdout.count("| eval |") >= 3, r.stdout
 
 
 def _has(module: str) -> bool:

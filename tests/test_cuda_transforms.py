@@ -100,7 +100,8 @@ def random_boxes(rng, n, w, h):
     return b
 
 
-def test_box_twin_equals_numpy_geometry():
+@pytest.mark.parametrize("min_visible", [0.0, 0.6])
+def test_box_twin_equals_numpy_geometry(min_visible):
     rng = np.random.default_rng(0)
     sizes = [(int(rng.integers(20, 300)), int(rng.integers(20, 300))) for _ in range(40)]
     per_img = [random_boxes(rng, int(rng.integers(0, 30)), w, h) for h, w in sizes]
@@ -117,11 +118,11 @@ def test_box_twin_equals_numpy_geometry():
     win = torch.tensor(windows, dtype=torch.float32)
     out_hw = (224, 160)
     flip = torch.from_numpy(rng.random(len(sizes)) < 0.5)
-    q = bx.hflip(bx.resize(bx.crop(p, win), win[:, 2:], out_hw), out_hw[1], flip)
+    q = bx.hflip(bx.resize(bx.crop(p, win, min_visible), win[:, 2:], out_hw), out_hw[1], flip)
     got_boxes, got_labels = q.per_image()
     dropped = 0
     for k, (b, lab, (t, l, ch, cw)) in enumerate(zip(per_img, labels, windows)):
-        eb, el = geometry.crop(b, lab, t, l, ch, cw)
+        eb, el = geometry.crop(b, lab, t, l, ch, cw, min_visible)
         eb = geometry.resize(eb, (ch, cw), out_hw)
         if flip[k]:
             eb = geometry.hflip(eb, out_hw[1])

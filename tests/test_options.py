@@ -81,6 +81,40 @@ def test_decode_options_check_their_fields(kwargs, exc):
         DecodeOptions(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"random_resized_crop": 224, "resize": 224}, "give one of resize, random_resized_crop"),
+    ({"random_resized_crop": 224, "short_side": 256}, "give one of resize, random_resized_crop"),
+    ({"random_resized_crop": 0}, "random_resized_crop must be a positive int"),
+    ({"random_resized_crop": 224, "crop_scale": (0.5, 0.1)}, "crop_scale must be"),
+    ({"random_resized_crop": 224, "crop_scale": (0.0, 1.0)}, "crop_scale must be"),
+    ({"random_resized_crop": 224, "crop_ratio": "wide"}, "crop_ratio must be"),
+    ({"crop_scale": (0.5, 1.0)}, "give random_resized_crop=SIZE too"),
+    ({"flip_p": 1.5}, "flip_p must be a number from 0 to 1"), ({"flip_p": True}, "flip_p must be"),
+    ({"min_visible": -0.1}, "min_visible must be"),
+    ({"short_side": 200, "center_crop": 224}, "larger than short_side"),
+    ({"short_side": -3}, "short_side must be a positive int"),
+    ({"center_crop": 10**6}, "over packio's limit"),
+    ({"crop_seed": -1}, "crop_seed must be"),
+    ({"flip_p": 0.5, "decode": False}, "need decode=True"),
+])
+def test_decode_options_check_the_crop_fields_when_made(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DecodeOptions(**kwargs)
+
+
+def test_decode_options_crop_recipe_normalised_and_pickled():
+    import pickle
+
+    o = DecodeOptions(random_resized_crop=np.int64(64), crop_ratio=[0.5, 2], flip_p=1)
+    assert o.random_resized_crop == (64, 64) and o.crop_ratio == (0.5, 2.0) and o.flip_p == 1.0
+    assert o.recipe.size == (64, 64) and o.recipe.flip_p == 1.0
+    assert pickle.loads(pickle.dumps(o)) == o and pickle.loads(pickle.dumps(o)).recipe == o.recipe
+    assert dataclasses.replace(o, flip_p=0.0).recipe.flip_p == 0.0  # made again from the new fields
+    assert DecodeOptions(resize=32).recipe is None  # a plain squash keeps the plain resize path
+    assert DecodeOptions(short_side=32, center_crop=(24, 30)).recipe.size == (24, 30)
+    assert DecodeOptions(short_side=32).recipe.size is None  # shapes follow each image
+
+
 def test_decode_options_normalise_resize_and_pickle():
     import pickle
 

@@ -73,10 +73,11 @@ def rate(epoch: Callable[[], int], seconds: float) -> float:
 
 
 def fresh(script: str | Path, cfg: dict[str, Any], env: dict[str, str] | None = None, timeout: float = 1800,
-          command: Sequence[str] = ()) -> dict[str, Any]:
-    """Run ``script [command] --child JSON`` in a fresh process; its last stdout line is a
-    JSON dict. A failure comes back as ``{"error": last stderr line}``, never as a figure."""
-    r = subprocess.run([sys.executable, str(script), *command, "--child", json.dumps(cfg)],
+          command: Sequence[str] = (), python: str | None = None) -> dict[str, Any]:
+    """Run ``script [command] --child JSON`` in a fresh process (of ``python``, default this
+    one); its last stdout line is a JSON dict. A failure comes back as ``{"error": last
+    stderr line}``, never as a figure."""
+    r = subprocess.run([python or sys.executable, str(script), *command, "--child", json.dumps(cfg)],
                        capture_output=True, text=True,
                        timeout=timeout, env={**os.environ, **(env or {}), "PYTHONWARNINGS": "ignore"})
     if r.returncode != 0:

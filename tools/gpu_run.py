@@ -52,10 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, interleaved, median, table  # noqa: E402
 
-# packio's CPU path crops and flips with a per-sample transform until DecodeOptions can do it at read time
-# (issue 39). The switch is this one line: the open_dataset keywords of the read-time crop, e.g.
-# {"random_resized_crop": 224, "flip": True} (names as issue 39 lands them), or None for the transform.
-CPU_READ_CROP: dict[str, Any] | None = None
+# packio's CPU path crops and flips at read time (issue 39's DecodeOptions; random_resized_crop takes --size),
+# or with a per-sample transform (CropFlip). The switch is this one line: the open_dataset keywords of the
+# read-time crop, or None for the transform.
+CPU_READ_CROP: dict[str, Any] | None = {"random_resized_crop": 224, "flip_p": 0.5}
 
 DALI_FLOOR = 19_000  # img/s: DALI's CI floor, ResNet-50 pipeline, one Hopper GPU (published; DALI cannot travel)
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -351,7 +351,7 @@ def rrc_window(h: int, w: int, rng: random.Random, scale=(0.08, 1.0), ratio=(3 /
 
 
 class CropFlip:
-    """packio's per-sample CPU transform (until read-time crops land): CHW uint8 → random resized crop
+    """packio's per-sample CPU transform (with CPU_READ_CROP = None): CHW uint8 → random resized crop
     (cv2, bilinear) + 50 % mirror → CHW uint8 ``size``². One RNG per process and thread."""
 
     def __init__(self, size: int) -> None:
@@ -537,7 +537,7 @@ def cpu_dataset(c: Ctx) -> Any:
     import packio
 
     if CPU_READ_CROP:
-        return packio.open_dataset(c.lmdb, **CPU_READ_CROP)
+        return packio.open_dataset(c.lmdb, **{**CPU_READ_CROP, "random_resized_crop": c.a.size})
     return packio.open_dataset(c.lmdb, transform=CropFlip(c.a.size))
 
 

@@ -12,8 +12,8 @@ Dropping boxes changes M, which the host must learn (a sync), so crops only clea
 consumer needs ragged per-image boxes (a loss can also use ``keep`` as a mask).
 
 The rules are ``packio.geometry``'s exactly (tests compare on random boxes):
-scale/flip never drop; crop keeps a box iff it overlaps the window's interior, then
-shifts and clips it.
+scale/flip never drop; crop keeps a box iff it overlaps the window's interior (and, with
+``min_visible``, keeps at least that share of its area inside), then shifts and clips it.
 """
 
 from __future__ import annotations
@@ -114,13 +114,20 @@ def hflip(p: PackedBoxes, width: torch.Tensor | float, flip: torch.Tensor | None
     return p._replace(boxes=torch.where(_per_box(flip, p).view(-1, 1), flipped, p.boxes))
 
 
-def crop(p: PackedBoxes, window: torch.Tensor) -> PackedBoxes:
+def crop(p: PackedBoxes, window: torch.Tensor, min_visible: float = 0.0) -> PackedBoxes:
     """Per image window ``[B, 4]`` (top, left, height, width; whole pixels): clear
-    ``keep`` for the boxes not overlapping the window's interior, shift the rest into
-    the window's frame and clip them to it. Dropped rows keep clipped coordinates."""
+    ``keep`` for the boxes not overlapping the window's interior, or with less than
+    ``min_visible`` of their area inside it (a zero-area box counts as wholly inside),
+    shift the rest into the window's frame and clip them to it. Dropped rows keep
+    clipped coordinates."""
     top, left, h, w = (window[:, k].to(torch.float32)[p.image] for k in range(4))
     b = p.boxes
     inside = (b[:, 0] < left + w) & (b[:, 2] > left) & (b[:, 1] < top + h) & (b[:, 3] > top)
     shifted = b - torch.stack([left, top, left, top], -1)
     lim = torch.stack([w, h, w, h], -1)
-    return p._replace(boxes=torch.minimum(shifted.clamp(min=0), lim), keep=p.keep & inside)
+    clipped = torch.minimum(shifted.clamp(min=0), lim)
+    if min_visible > 0:
+        area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+        seen = (clipped[:, 2] - clipped[:, 0]) * (clipped[:, 3] - clipped[:, 1])
+        inside = inside & ((area <= 0) | (seen >= min_visible * area))
+    return p._replace(boxes=clipped, keep=p.keep & inside)

@@ -225,7 +225,8 @@ class GPUTransform:
     may be a CUDA generator); eval: the centered window of ``eval_crop`` (None: the
     whole image) resized to ``size``. ``boxes`` (lists, or packed by the Prefetcher)
     come out as one :class:`PackedBoxes` with ``keep`` cleared for boxes the crop
-    dropped; ``crop`` (``[B, 4]`` top, left, h, w in input pixels) and ``flip``
+    dropped (``min_visible``: also those with less of their area inside, as
+    ``packio.DecodeOptions(min_visible=...)``); ``crop`` (``[B, 4]`` top, left, h, w in input pixels) and ``flip``
     (``bool[B]``) say what was done to each image.
     """
 
@@ -238,6 +239,7 @@ class GPUTransform:
     crop_scale: tuple[float, float] = (0.08, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip_p: float = 0.5
+    min_visible: float = 0.0
     eval_crop: float | None = None
     antialias: bool = True
     compute_dtype: torch.dtype = torch.float32
@@ -274,7 +276,7 @@ class GPUTransform:
         out["crop"], out["flip"] = window, flip
         packed = out.get("boxes")
         if isinstance(packed, bx.PackedBoxes):
-            packed = bx.crop(packed.to(dev), window)
+            packed = bx.crop(packed.to(dev), window, self.min_visible)
             packed = bx.resize(packed, window[:, 2:], self.size)
             out["boxes"] = bx.hflip(packed, self.size[1], flip)
         return out

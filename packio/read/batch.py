@@ -45,14 +45,16 @@ class Batch(Sequence):
     """One batch, column by column: ``image`` (one ``[B, C, H, W]`` tensor when every image has one
     shape, else a list), ``label`` / ``index`` int64[B], ``boxes`` float32[M, 4] and ``box_labels``
     int64[M] sample after sample (``counts`` each), ``key``, ``kept`` (False: a skipped corrupt
-    sample; None: all kept) and, from a mix, ``source`` int64[B]. As a sequence it holds per-sample
+    sample; None: all kept), from a mix ``source`` int64[B] and, with read-time crops, ``dropped``:
+    the boxes the crops dropped (outside the window, or under ``min_visible``; None without crops). As a sequence it holds per-sample
     dicts (``None`` for a skipped one), so any collate function takes it; :func:`collate` takes
     the columns as they are."""
 
     def __init__(self, image: torch.Tensor | list[Any], label: torch.Tensor, boxes: torch.Tensor,
                  box_labels: torch.Tensor, counts: list[int], key: list[str], index: torch.Tensor,
-                 kept: list[bool] | None = None, source: torch.Tensor | None = None) -> None:
+                 kept: list[bool] | None = None, source: torch.Tensor | None = None, dropped: int | None = None) -> None:
         self.image, self.label, self.index, self.key, self.source = image, label, index, key, source
+        self.dropped = dropped
         self.boxes, self.box_labels, self.counts = boxes, box_labels, counts
         self.kept = kept if kept is not None and not all(kept) else None
         self._items: list[Item | None] | None = None
@@ -93,7 +95,8 @@ class Batch(Sequence):
             counts = [counts[j] for j in rows]  # a skipped sample has no boxes
         for name, flat in (("boxes", self.boxes), ("box_labels", self.box_labels)):
             out[name] = Ragged(flat, counts) if packed else list(flat.split(counts))
-        return {k: out[k] for k in FIELDS if out[k] is not None}
+        out["dropped"] = self.dropped
+        return {k: out[k] for k in (*FIELDS, "dropped") if out[k] is not None}
 
 
 def batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
@@ -139,10 +142,11 @@ def merge(parts: list[tuple[np.ndarray, Batch]], source: np.ndarray) -> Batch:
             stacked[j] = im
         images = stacked
     boxes, box_labels = [x[2] for x in got], [x[3] for x in got]
+    dropped = [b.dropped for _, b in parts if b.dropped is not None]
     return Batch(stack_images(images) if isinstance(images, list) else images,
                  torch.tensor([x[1] for x in got], dtype=torch.int64), torch.cat(boxes), torch.cat(box_labels),
                  [len(x) for x in boxes], [x[4] for x in got], torch.tensor([x[5] for x in got], dtype=torch.int64),
-                 [x[6] for x in got], torch.from_numpy(source.astype(np.int64)))
+                 [x[6] for x in got], torch.from_numpy(source.astype(np.int64)), sum(dropped) if dropped else None)
 
 
 def unpack(batch: Any) -> Any:

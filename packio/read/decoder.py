@@ -1,6 +1,7 @@
 """The decoder: indices of one reader, in one epoch → one :class:`Batch`. Read (``read_batch`` when the
 reader ``reads_batches``, else ``read`` per sample on the decode threads: reading overlaps decoding)
-→ verify → decode → resize (into one fresh buffer) → boxes → transform, under an error policy.
+→ verify → decode → resize or read-time crop (into one fresh buffer) → boxes → transform, under an
+error policy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = ["Decoder", "DecodeThreads", "ErrorPolicy", "chw"]
 
 log = logging.getLogger("packio")
 Got = Sample | PackioError  # a stored sample, or the error reading it raised
+Decoded = tuple[Any, np.ndarray, np.ndarray, int]  # a sample's image, boxes, box labels, boxes its crop dropped
 
 
 class ErrorPolicy:
@@ -185,7 +187,7 @@ class Decoder:
             if self.errors.fatal(exc):
                 raise  # never read again sample by sample: every sample would fail alike
             return self.samples(idx, self._reads(reader, idx), epoch)  # finds the bad sample, applies on_error
-        block = stored.pixels is not None and o.transform is None
+        block = stored.pixels is not None and o.transform is None and o.recipe is None
         if block and (not o.decode or o.resize in (None, stored.pixels.shape[1:3])):
             return self.block(stored)
         return self.samples(idx, stored.rows().__getitem__, epoch)  # samples, or a block's rows to resize
@@ -194,32 +196,41 @@ class Decoder:
         """Sample ``i`` (checked) as a batch holds it, without a batch; ``None`` when skipped."""
         try:
             s = reader.read(i)
-            image, boxes = self.sample(s, i, epoch)
+            image, boxes, labels, _ = self.sample(s, i, epoch)
         except PackioError as exc:
             return self.errors(exc)
-        return item(image, int(s.label), torch.from_numpy(boxes),
-                    torch.from_numpy(np.array(s.box_labels, np.int64).reshape(-1)), s.key, i)
+        return item(image, int(s.label), torch.from_numpy(boxes), torch.from_numpy(labels), s.key, i)
 
-    def sample(self, s: Sample, index: int, epoch: int, out: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
-        """``(image, boxes)`` of sample ``index`` stored as ``s``, in ``epoch``. With ``out`` (a row of
-        the batch buffer) the pixels go there and the image is ``None``, unless they do not fit it."""
+    def sample(self, s: Sample, index: int, epoch: int, out: np.ndarray | None = None) -> Decoded:
+        """``(image, boxes, box_labels, boxes dropped)`` of sample ``index`` stored as ``s``, in ``epoch``.
+        With ``out`` (a row of the batch buffer) the pixels go there and the image is ``None``, unless
+        they do not fit it."""
         o = self.options
         if o.verify and s.checksum and checksum(s.payload) != s.checksum:
             raise CorruptSampleError(s.key, "checksum mismatch")
+        labels = np.array(s.box_labels, np.int64).reshape(-1)
         if not o.decode:  # as stored: bytes, or the pixels of raw formats (CHW, like decoded ones)
-            return (chw(s.payload) if isinstance(s.payload, np.ndarray) else s.payload), geo.as_boxes(s.boxes)
-        # Issue 39 (read-time crops and flips) goes here: a geometry plan (crop window + flip), a
-        # pure function of (o, epoch, index, stored size), applied to the decode, the resize and the boxes.
-        if o.resize is not None:
+            return (chw(s.payload) if isinstance(s.payload, np.ndarray) else s.payload), geo.as_boxes(s.boxes), \
+                labels, 0
+        if o.recipe is not None:  # issue 39: a plan from (crop_seed, epoch, index, stored size) moves pixels and boxes
+            try:
+                placed = dec.place(s.payload, s.encoding, s.width, s.height, s.boxes, labels, o.recipe, o.crop_seed,
+                                   epoch, index, out=out, backend=o.backend, strict=True)
+            except ValueError as exc:
+                raise CorruptSampleError(s.key, f"image does not decode ({exc})") from None
+            img, boxes, labels, dropped = placed[:4]
+        elif o.resize is not None:
             img = dec.resize(_pixels(s, o.backend, o.resize), o.resize, out=out)
         else:
             img = _pixels(s, o.backend, None, out=_room(s) if out is None else out)
+        if o.recipe is None:
+            boxes, dropped = _boxes_for(s, img.shape[0], img.shape[1]), 0
         image = None
         if out is None or img is not out:
             image = chw(np.ascontiguousarray(img))
             if o.transform is not None:
                 image = o.transform(image)
-        return image, _boxes_for(s, img.shape[0], img.shape[1])
+        return image, boxes, labels, dropped
 
     @staticmethod
     def block(stored: StoredBatch) -> Batch:
@@ -234,8 +245,8 @@ class Decoder:
         o = self.options
         if not o.decode or o.transform is not None:
             return None
-        if o.resize is not None:
-            return o.resize
+        if o.out_size is not None or o.recipe is not None:
+            return o.out_size
         if not isinstance(first, Sample):
             return None
         try:
@@ -275,23 +286,23 @@ class Decoder:
         buf = batch_buffer((n, *shape, 3)) if shape is not None else None
         rows = buf.numpy() if buf is not None else None
 
-        def one(j: int) -> tuple[Sample, Any, np.ndarray] | PackioError:
+        def one(j: int) -> tuple[Any, ...] | PackioError:
             s = first if j == 0 else sample(j)
             if isinstance(s, PackioError):
                 if self.errors.fatal(s):
                     raise s  # the batch fails now: no other thread takes another sample
                 return s
-            fits = rows is not None and (self.options.resize is not None or (s.height, s.width) in (shape, (0, 0)))
+            fits = rows is not None and (self.options.out_size is not None or (s.height, s.width) in (shape, (0, 0)))
             try:
                 return (s, *self.sample(s, int(idx[j]), epoch, rows[j] if rows is not None and fits else None))
             except PackioError as exc:
                 return exc
 
         got = [self.errors(r) if isinstance(r, PackioError) else r for r in self.pool.map(one, n)]
-        return self._batch(idx, got, buf)
+        return self._batch(idx, got, buf, self.options.recipe is not None)
 
     @staticmethod
-    def _batch(idx: np.ndarray, got: list[tuple[Sample, Any, np.ndarray] | None], buf: torch.Tensor | None) -> Batch:
+    def _batch(idx: np.ndarray, got: list[tuple[Any, ...] | None], buf: torch.Tensor | None, crops: bool) -> Batch:
         """One :class:`Batch` of the decoded samples (``None``: skipped; its buffer row is zeros)."""
         kept = [r is not None for r in got]
         views = buf.permute(0, 3, 1, 2) if buf is not None else None
@@ -306,9 +317,9 @@ class Decoder:
             images = stack_images(images) if all(kept) else images
         ok = [r for r in got if r is not None]
         boxes = [np.asarray(r[2], np.float32).reshape(-1, 4) for r in ok]
-        box_labels = [np.asarray(r[0].box_labels, np.int64).reshape(-1) for r in ok]
+        box_labels = [r[3] for r in ok]
         return Batch(images, torch.tensor([r[0].label if r else -1 for r in got], dtype=torch.int64),
                      torch.from_numpy(np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)),
                      torch.from_numpy(np.concatenate(box_labels) if box_labels else np.zeros(0, np.int64)),
                      [len(r[2]) if r else 0 for r in got], [r[0].key if r else "" for r in got],
-                     torch.tensor(idx, dtype=torch.int64), kept)
+                     torch.tensor(idx, dtype=torch.int64), kept, dropped=sum(r[4] for r in ok) if crops else None)

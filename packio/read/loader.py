@@ -116,6 +116,8 @@ class DataLoader(torch.utils.data.DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         target = self._target()
         target.load_state_dict(state)
+        if isinstance(self.dataset, PackedDataset):  # its decoder's epoch (read-time crops) is the state's
+            self.dataset.set_epoch(target.epoch)
         self._cursor = None
         log.info("resumed epoch %d at sample %d of %d (world size %s before, %d now)", state["epoch"],
                  state["consumed"], target.position.length, state.get("world_size", "?"), target.position.world)
