@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import io
-import math
 import os
 import struct
 import threading
