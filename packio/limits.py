@@ -37,7 +37,7 @@ MAX_JSON_DEPTH = 32  # nesting of any JSON packio parses
 MAX_CLASSES = 1 << 20  # class indices a label may take in foreign tar shards
 MAX_SHARDS = 100_000  # shards one brace pattern may name (counted before it is expanded)
 MAX_PATTERN_CHARS = 4096  # length of one brace pattern
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT64_MAX = (1 << 63) - 1
 
 Error = Callable[[str], PackioError]
 
