@@ -157,17 +157,15 @@ def _open_single(store: Store, name: str, cache: Cache) -> Reader:
     return open_reader(vdir / name)
 
 
-def _plain(rel: str) -> bool:
-    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
-        return False
-    return all(p and not p.startswith(".") for p in rel.split("/")) and rel != MANIFEST_NAME
-
-
 def safe_rel(rel: Any) -> bool:
-    """A plain relative path, also once percent-decoded (``%2e%2e/`` is ``../`` to a server)."""
+    """A plain relative path (:func:`packio.limits.plain_rel`, not the manifest), also once
+    percent-decoded (``%2e%2e/`` is ``../`` to a server)."""
     from urllib.parse import unquote
 
-    return isinstance(rel, str) and _plain(rel) and _plain(unquote(rel)) and "%" not in unquote(rel)
+    if not isinstance(rel, str):
+        return False
+    decoded = unquote(rel)
+    return all(limits.plain_rel(r) and r != MANIFEST_NAME for r in (rel, decoded)) and "%" not in decoded
 
 
 def listing(manifest: Manifest, url: str) -> dict[str, FileInfo]:
