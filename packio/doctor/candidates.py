@@ -15,10 +15,10 @@ import torch
 from packio import decode as dec
 from packio.read.datasets import PackedDataset
 from packio.doctor.stages import StageCosts
-from packio.read.loader import DataLoader
 from packio.measure import Rate, throughput
+from packio.tuning import measure, tune
 
-__all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "measure_packed", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack", "enlarged"]
+__all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack", "enlarged"]
 
 
 @dataclass(frozen=True)
@@ -142,26 +142,13 @@ def repeat_index(n: int, batch_size: int, batches: int = 32) -> np.ndarray:
     return np.tile(np.arange(n, dtype=np.int64), reps)
 
 
-def measure_packed(ds: Any, batch_size: int, seconds: float, settings: dict[str, Any]) -> Rate:
-    """Samples/s of a packio DataLoader over ``ds`` with ``settings`` (as tune returns them)."""
-    ds.threads = settings.get("threads", 0)
-    loader = DataLoader(ds, batch_size=batch_size, shuffle=True,
-                        **{k: v for k, v in settings.items() if k != "threads"})
-    try:
-        return throughput(loader, seconds)
-    finally:
-        del loader  # stops persistent workers now, not at garbage collection
-
-
 def tune_and_measure(ds: Any, batch_size: int, trial_s: float, workers: list[int],
                      threads: tuple[int, ...]) -> tuple[Rate, dict[str, Any]]:
     """``packio.tune`` picks the settings; then they are timed once more on their own
     (the winner of a noisy contest is biased high; a fresh run is not)."""
-    from packio.tuning import tune
-
     best = tune(ds, batch_size=batch_size, seconds=trial_s, workers=workers, prefetch=(2,), threads=threads,
                 verbose=False)
-    return measure_packed(ds, batch_size, trial_s, best), best
+    return measure(ds, batch_size, trial_s, best), best
 
 
 def process_settings(settings: dict[str, Any]) -> dict[str, Any]:
