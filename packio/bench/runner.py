@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from packio.bench.probe import MARKER, Probe, count_opens, strace_prefix, wait_and_probe
-from packio.manifest import disk_bytes
+from packio.manifest import dataset_files, disk_bytes
 from packio.measure import OtherLoad
 
 __all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", "plot", "limit_lines", "legend",
@@ -71,13 +71,9 @@ def variants(names: Sequence[str] | None = None) -> dict[str, tuple[str, dict[st
 
 # ---------------------------------------------------------------- page cache
 
-def _files(root: Path) -> list[Path]:
-    return [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
-
-
 def evict(root: Path) -> None:
     """Drop the dataset's pages from the page cache (POSIX_FADV_DONTNEED)."""
-    for p in _files(root):
+    for p in dataset_files(root):
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fdatasync(fd)
@@ -95,7 +91,7 @@ def resident_fraction(root: Path) -> float:
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     page = mmap.PAGESIZE
     total = resident = 0
-    for p in _files(root):
+    for p in dataset_files(root):
         size = p.stat().st_size
         if not size:
             continue
@@ -367,7 +363,7 @@ def _mark_start() -> None:
 
 def warm_cache(root: Path) -> None:
     """Read every file of the dataset once so that its pages are in the page cache."""
-    for p in _files(root):
+    for p in dataset_files(root):
         with open(p, "rb", buffering=0) as f:
             while f.read(1 << 24):
                 pass

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError
 from packio.formats import open_reader
 from packio.formats.reader import Reader
-from packio.manifest import MANIFEST_NAME, trust_manifest
+from packio.manifest import MANIFEST_NAME, dataset_files, trust_manifest
 
 __all__ = ["TMP_MARK", "check_output", "check_not_inside_dataset", "output_lock", "terminate_cleanly", "staged",
            "temp_name", "commit", "clean_stale", "stale", "is_dataset", "remove", "fsync_tree"]
@@ -252,8 +252,7 @@ def commit(tmp: Path, dst: Path, overwrite: bool) -> None:
 
 def fsync_tree(root: Path) -> None:
     """Flush every file of the output to disk before it is renamed into place."""
-    paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
-    for p in paths:
+    for p in dataset_files(root):
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
