@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from packio import decode as dec
+from packio.read.batch import collate, item
 from packio.read.datasets import PackedDataset
 from packio.doctor.stages import StageCosts
 from packio.measure import Rate, throughput
@@ -132,8 +133,8 @@ class FilesDataset(torch.utils.data.Dataset):
         with open(self.paths[j], "rb") as f:
             img = dec.decode(f.read(), min_size=(self.size, self.size))
         img = dec.resize(img, (self.size, self.size))
-        return {"image": torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1), "label": 0,
-                "boxes": torch.zeros(0, 4), "box_labels": torch.zeros(0, dtype=torch.int64), "key": str(j), "index": j}
+        return item(torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1), 0, torch.zeros(0, 4),
+                    torch.zeros(0, dtype=torch.int64), str(j), j)
 
 
 def repeat_index(n: int, batch_size: int, batches: int = 32) -> np.ndarray:
@@ -162,8 +163,6 @@ def process_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 def measure_files(paths: list[str], size: int, batch_size: int, settings: dict[str, Any], seconds: float) -> Rate:
     """Samples/s of the one-file-per-sample baseline with these DataLoader keyword arguments."""
-    from packio.read.batch import collate
-
     ds = FilesDataset(paths, size, repeat_index(len(paths), batch_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, collate_fn=collate, **settings)
     try:
