@@ -24,7 +24,7 @@ from packio.formats.reader import Reader
 from packio.manifest import MANIFEST_NAME, dataset_files, trust_manifest
 
 __all__ = ["TMP_MARK", "check_output", "check_not_inside_dataset", "output_lock", "terminate_cleanly", "staged",
-           "temp_name", "commit", "clean_stale", "stale", "is_dataset", "remove", "fsync_tree"]
+           "temp_name", "commit", "clean_stale", "stale", "is_dataset", "remove", "fsync_tree", "fsync_path"]
 
 TMP_MARK = ".packio-tmp-"
 
@@ -253,8 +253,13 @@ def commit(tmp: Path, dst: Path, overwrite: bool) -> None:
 def fsync_tree(root: Path) -> None:
     """Flush every file of the output to disk before it is renamed into place."""
     for p in dataset_files(root):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(p)
+
+
+def fsync_path(path: Path, flags: int = os.O_RDONLY) -> None:
+    """Flush one file to disk (with ``os.O_DIRECTORY``: a folder's entries)."""
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
