@@ -88,7 +88,8 @@ def settings(cache_dir: str | Path | None, cache_limit: int | str | None, retrie
 
 
 def version(text: bytes) -> str:
-    """The name of one upload of a dataset: a digest of its manifest's bytes."""
+    """The name of one upload of a dataset: a digest of its manifest's bytes (or of what else
+    names it: a single file's identity, foreign shards' names and identities)."""
     import xxhash
 
     return xxhash.xxh3_128_hexdigest(text)[:16]
@@ -149,10 +150,8 @@ def identity(store: Store, cache: Cache, name: str) -> tuple[int, list[str], str
 def _open_single(store: Store, name: str, cache: Cache) -> Reader:
     """One-file datasets (HDF5): cached whole, versioned by the object's :func:`identity`,
     checked against its size when opened."""
-    import xxhash
-
     size, ident, digest = identity(store, cache, name)
-    vdir = cache.version_dir(store.url_of(name), xxhash.xxh3_128_hexdigest(repr((size, ident)).encode())[:16])
+    vdir = cache.version_dir(store.url_of(name), version(repr((size, ident)).encode()))
     _pin(vdir, cache.fetch_all(store, {name: (size, digest)}, vdir, None, threads=1))
     return open_reader(vdir / name)
 
