@@ -24,7 +24,7 @@ from packio.errors import FormatError, PackioError
 __all__ = ["MAX_PIXELS", "MAX_JPEG_SIDE", "MAX_INPUT_BYTES", "MAX_PAYLOAD_BYTES", "MAX_RECORD_BYTES", "MAX_BOXES",
            "MAX_MANIFEST_BYTES", "MAX_JSON_DEPTH", "MAX_CLASSES", "MAX_SHARDS", "MAX_PATTERN_CHARS",
            "open_regular", "read_regular", "read_head",
-           "file_size", "check_span", "check_count", "json_depth", "loads_json", "load_npy", "MapGuard"]
+           "file_size", "check_span", "check_count", "json_depth", "loads_json", "load_npy", "MapGuard", "plain_rel"]
 
 MAX_PIXELS = 178_956_970  # one image, decoded or resized (PIL's decompression-bomb error limit)
 MAX_JPEG_SIDE = 65_500  # libjpeg-turbo cannot encode a wider or taller JPEG
@@ -37,7 +37,7 @@ MAX_JSON_DEPTH = 32  # nesting of any JSON packio parses
 MAX_CLASSES = 1 << 20  # class indices a label may take in foreign tar shards
 MAX_SHARDS = 100_000  # shards one brace pattern may name (counted before it is expanded)
 MAX_PATTERN_CHARS = 4096  # length of one brace pattern
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT64_MAX = (1 << 63) - 1
 
 Error = Callable[[str], PackioError]
 
@@ -116,6 +116,13 @@ def file_size(path: str | Path, error: Error = FormatError) -> int:
     if not stat.S_ISREG(st.st_mode):
         raise error(f"{path}: not a regular file (a FIFO, device, socket or folder); packio reads regular files only")
     return st.st_size
+
+
+def plain_rel(rel: str) -> bool:
+    """A relative path a stranger's file names that stays below its folder: no '..', no
+    absolute, empty or hidden part, no backslash or NUL."""
+    return bool(rel) and "\0" not in rel and "\\" not in rel and all(
+        p and not p.startswith(".") for p in rel.split("/"))
 
 
 def check_span(offset: int, size: int, limit: int, what: str, error: Error = FormatError) -> None:

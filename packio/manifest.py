@@ -14,7 +14,7 @@ from packio import limits
 from packio.errors import FormatError
 
 __all__ = ["MANIFEST_NAME", "DIGEST", "LAYOUT_VERSION", "Manifest", "count_text", "file_digest", "describe_files",
-           "disk_bytes", "manifest_id", "trust_manifest"]
+           "dataset_files", "disk_bytes", "manifest_id", "trust_manifest"]
 
 MANIFEST_NAME = "packio.json"
 DIGEST = "xxh3_128"  # file checksums; samples carry xxh3_64 (packio.sample.checksum)
@@ -149,12 +149,15 @@ def file_digest(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def dataset_files(path: Path) -> list[Path]:
+    """A dataset's files: the one file, or every file below the folder."""
+    path = Path(path)
+    return [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+
+
 def disk_bytes(path: Path) -> int:
     """Bytes a dataset (one file, or a folder's files) takes on disk."""
-    path = Path(path)
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return sum(p.stat().st_size for p in dataset_files(path))
 
 
 def describe_files(root: Path, skip: tuple[str, ...] = (MANIFEST_NAME,)) -> dict[str, dict[str, Any]]:

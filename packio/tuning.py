@@ -6,17 +6,24 @@ import itertools
 import os
 from typing import Any
 
-__all__ = ["tune", "default_trials"]
+from packio.measure import Rate, throughput
+
+__all__ = ["tune", "default_trials", "measure"]
 
 
-def _rate(dataset: Any, batch_size: int, seconds: float, kwargs: dict[str, Any]) -> float:
+def measure(dataset: Any, batch_size: int, seconds: float, settings: dict[str, Any]) -> Rate:
+    """A packio DataLoader over ``dataset`` with ``settings`` (DataLoader keywords plus ``threads``,
+    as :func:`tune` returns them), timed by :func:`packio.measure.throughput`."""
     from packio.read.datasets import PackedIterableDataset
     from packio.read.loader import DataLoader
-    from packio.measure import throughput
 
-    shuffle = not isinstance(dataset, PackedIterableDataset)
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)
-    return throughput(loader, seconds).samples_per_s
+    dataset.threads = settings.get("threads", 0)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=not isinstance(dataset, PackedIterableDataset),
+                        **{k: v for k, v in settings.items() if k != "threads"})
+    try:
+        return throughput(loader, seconds)
+    finally:
+        del loader  # stops persistent workers now, not at garbage collection (an error's traceback holds it)
 
 
 def _timed_batch(dataset: Any, batch_size: int, seconds: float, cpus: int, verbose: bool) -> int:
@@ -93,9 +100,7 @@ def tune(dataset: Any, batch_size: int = 64, seconds: float = 3.0, workers: list
         return {"num_workers": 0, "threads": cpus}
     results = []
     for trial in trials:
-        kw = {k: v for k, v in trial.items() if k != "threads"}
-        dataset.threads = trial["threads"]
-        rate = _rate(dataset, timed, seconds, kw)
+        rate = measure(dataset, timed, seconds, trial).samples_per_s
         results.append((rate, trial))
         if verbose:
             print(f"  {rate:9.0f} samples/s  {trial}", flush=True)

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from packio.bench.probe import MARKER, Probe, count_opens, strace_prefix, wait_and_probe
-from packio.manifest import disk_bytes
+from packio.manifest import dataset_files, disk_bytes
 from packio.measure import OtherLoad
 
 __all__ = ["BATCH", "SIZE", "variants", "child", "run_child", "main", "render", "plot", "limit_lines", "legend",
@@ -71,13 +71,9 @@ def variants(names: Sequence[str] | None = None) -> dict[str, tuple[str, dict[st
 
 # ---------------------------------------------------------------- page cache
 
-def _files(root: Path) -> list[Path]:
-    return [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
-
-
 def evict(root: Path) -> None:
     """Drop the dataset's pages from the page cache (POSIX_FADV_DONTNEED)."""
-    for p in _files(root):
+    for p in dataset_files(root):
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fdatasync(fd)
@@ -95,7 +91,7 @@ def resident_fraction(root: Path) -> float:
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     page = mmap.PAGESIZE
     total = resident = 0
-    for p in _files(root):
+    for p in dataset_files(root):
         size = p.stat().st_size
         if not size:
             continue
@@ -367,7 +363,7 @@ def _mark_start() -> None:
 
 def warm_cache(root: Path) -> None:
     """Read every file of the dataset once so that its pages are in the page cache."""
-    for p in _files(root):
+    for p in dataset_files(root):
         with open(p, "rb", buffering=0) as f:
             while f.read(1 << 24):
                 pass
@@ -514,10 +510,12 @@ def _limits_needed(packed: dict[str, dict[str, Any]], plain: list[str], w2: list
     return [(name, cfg if cfg and name in needed else {"kind": "none"}) for name, cfg in table.items()]
 
 
-def limit_key(cfg: dict[str, Any], ncpu: int) -> str:
-    """The limit (a name of ``_plan``'s limits) that bounds a run: decode + resize of the
-    bytes its loader decodes, in as many processes as it uses; per-sample memcpy for arrays."""
-    parallel = cfg["workers"] > 0 or cfg.get("threads", 0) > 0
+def limit_key(cfg: dict[str, Any], ncpu: int, parallel: bool | None = None) -> str:
+    """The limit (a name of ``plan``'s limits) that bounds a run: decode + resize of the
+    bytes its loader decodes, in as many processes as it uses (``parallel``: every core);
+    per-sample memcpy for arrays."""
+    if parallel is None:
+        parallel = cfg["workers"] > 0 or cfg.get("threads", 0) > 0
     data = cfg.get("data", "original")
     if data == "arrays":
         return "L2"
@@ -778,24 +776,13 @@ def _random_plan(packed: dict[str, dict[str, Any]], quick: bool, cold: bool) -> 
             for name in list(per_format.values())[:1 if quick else None] for c in ([False, True] if cold else [False])]
 
 
-def limit_for(row: dict[str, Any], r: dict[str, Any]) -> tuple[str, float]:
-    """The machine's limit a run is compared with: decode+resize of the bytes its loader
-    decodes (original or pre-resized), in as many processes as it uses; memcpy for arrays."""
-    L, ncpu = r["limits"], r["cpus"]
-    parallel = row["workers"] > 0 or row.get("threads", 0) > 0
-    data = row.get("data", "original")
-    if data == "arrays":
-        return "L2", L["L2_per_sample"]
-    if data == "pre-resized":
-        return ("L1pre", L["L1_pre256"]) if parallel else ("L1pre·1", L.get("L1_pre256_1proc", L["L1_pre256"]))
-    return ("L1", L[f"L1_{ncpu}proc"]) if parallel else ("L1·1", L["L1_1proc"])
-
-
-def ceiling_for(row: dict[str, Any], r: dict[str, Any]) -> float:
-    """The machine's ceiling for a run's data: its limit with every core (L1·N, L1pre, L2)."""
-    L, ncpu = r["limits"], r["cpus"]
-    data = row.get("data", "original")
-    return {"arrays": L["L2_per_sample"], "pre-resized": L["L1_pre256"]}.get(data, L[f"L1_{ncpu}proc"])
+def limit_for(row: dict[str, Any], r: dict[str, Any], parallel: bool | None = None) -> tuple[str, float]:
+    """The machine's limit a run is compared with (:func:`limit_key`; ``parallel``: with every
+    core, the run's ceiling): its label and samples/s."""
+    parallel = row["workers"] > 0 or row.get("threads", 0) > 0 if parallel is None else parallel
+    key = limit_key(row, r["cpus"], parallel)
+    label = {"L2": "L2", "L1_pre256": "L1pre", "L1_pre256_1proc": "L1pre·1"}.get(key, "L1" if parallel else "L1·1")
+    return label, r["limits"]["L2_per_sample" if key == "L2" else key]
 
 
 def ratios(r: dict[str, Any]) -> None:
@@ -813,7 +800,7 @@ def ratios(r: dict[str, Any]) -> None:
         paired = row.get("x_limit_paired", float("nan"))  # over the limit of the same pass: drift cancels
         row["x_limit"] = paired if paired == paired else row["rate"] / limit_for(row, r)[1]
         row["above_limit"] = row["x_limit"] > 1.0  # a measurement error, never a ratio to print
-        row["x_ceiling"] = row["rate"] / ceiling_for(row, r)
+        row["x_ceiling"] = row["rate"] / limit_for(row, r, parallel=True)[1]
         row["x_best"] = row["rate"] / best[(row["workload"], row.get("data"), row["cold"])]
 
 

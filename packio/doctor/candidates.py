@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 from packio import decode as dec
+from packio.read.batch import collate, item
 from packio.read.datasets import PackedDataset
 from packio.doctor.stages import StageCosts
-from packio.read.loader import DataLoader
 from packio.measure import Rate, throughput
+from packio.tuning import measure, tune
 
-__all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "measure_packed", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack", "enlarged"]
+__all__ = ["Layout", "layouts", "Candidate", "IndexedDataset", "FilesDataset", "repeat_index", "tune_and_measure", "process_settings", "measure_files", "output_name", "convert_line", "reader_lines", "pack", "enlarged"]
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,8 @@ class FilesDataset(torch.utils.data.Dataset):
         with open(self.paths[j], "rb") as f:
             img = dec.decode(f.read(), min_size=(self.size, self.size))
         img = dec.resize(img, (self.size, self.size))
-        return {"image": torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1), "label": 0,
-                "boxes": torch.zeros(0, 4), "box_labels": torch.zeros(0, dtype=torch.int64), "key": str(j), "index": j}
+        return item(torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1), 0, torch.zeros(0, 4),
+                    torch.zeros(0, dtype=torch.int64), str(j), j)
 
 
 def repeat_index(n: int, batch_size: int, batches: int = 32) -> np.ndarray:
@@ -142,26 +143,13 @@ def repeat_index(n: int, batch_size: int, batches: int = 32) -> np.ndarray:
     return np.tile(np.arange(n, dtype=np.int64), reps)
 
 
-def measure_packed(ds: Any, batch_size: int, seconds: float, settings: dict[str, Any]) -> Rate:
-    """Samples/s of a packio DataLoader over ``ds`` with ``settings`` (as tune returns them)."""
-    ds.threads = settings.get("threads", 0)
-    loader = DataLoader(ds, batch_size=batch_size, shuffle=True,
-                        **{k: v for k, v in settings.items() if k != "threads"})
-    try:
-        return throughput(loader, seconds)
-    finally:
-        del loader  # stops persistent workers now, not at garbage collection
-
-
 def tune_and_measure(ds: Any, batch_size: int, trial_s: float, workers: list[int],
                      threads: tuple[int, ...]) -> tuple[Rate, dict[str, Any]]:
     """``packio.tune`` picks the settings; then they are timed once more on their own
     (the winner of a noisy contest is biased high; a fresh run is not)."""
-    from packio.tuning import tune
-
     best = tune(ds, batch_size=batch_size, seconds=trial_s, workers=workers, prefetch=(2,), threads=threads,
                 verbose=False)
-    return measure_packed(ds, batch_size, trial_s, best), best
+    return measure(ds, batch_size, trial_s, best), best
 
 
 def process_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -175,8 +163,6 @@ def process_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 def measure_files(paths: list[str], size: int, batch_size: int, settings: dict[str, Any], seconds: float) -> Rate:
     """Samples/s of the one-file-per-sample baseline with these DataLoader keyword arguments."""
-    from packio.read.batch import collate
-
     ds = FilesDataset(paths, size, repeat_index(len(paths), batch_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, collate_fn=collate, **settings)
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from packio.errors import PackioError
+from packio.pack.workers import cpus as allowed_cpus
 
 # What each option may be: (low, high); a float option must also be finite. The CLI parses with the same ranges.
 RANGES: dict[str, tuple[float, float]] = {
@@ -163,8 +164,7 @@ def budget(cgroup_root: str | Path = CGROUP_ROOT, self_cgroup: str | Path = SELF
     workers by (rounded down: a worker per fractional CPU oversubscribes). A cgroup
     memory limit above physical memory means none (v1 writes ~2**63 for 'no limit')."""
     root = Path(cgroup_root)
-    aff = affinity if affinity is not None else len(os.sched_getaffinity(0)) if hasattr(
-        os, "sched_getaffinity") else (os.cpu_count() or 1)
+    aff = affinity if affinity is not None else allowed_cpus()
     phys = physical if physical is not None else physical_memory()
     own = _own_paths(self_cgroup)
     sources: list[str] = []

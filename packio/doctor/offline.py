@@ -23,6 +23,7 @@ from packio.doctor.source import Source, disk_bytes, open_source
 from packio.doctor.stages import StageCosts, measure_stages, transfer_cost
 from packio.errors import PackioError
 from packio.measure import Rate
+from packio.tuning import measure
 
 __all__ = ["Diagnosis", "diagnose"]
 
@@ -100,7 +101,7 @@ class _Run:
     def rate(self, ds: Any, trial_s: float, batch: int) -> tuple[Rate, dict[str, Any]]:
         if self.quick or batch < self.batch_size:  # decode threads in this process: no worker start-up to pay for
             settings: dict[str, Any] = {"num_workers": 0, "threads": max(self.threads)}
-            return cand.measure_packed(ds, batch, trial_s, settings), settings
+            return measure(ds, batch, trial_s, settings), settings
         return cand.tune_and_measure(ds, self.batch_size, trial_s, self.workers, self.threads)
 
     def timed_batch(self, c: Candidate, left: float) -> int:

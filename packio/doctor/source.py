@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from packio.errors import CorruptSampleError, PackioError, SourceError
-from packio.manifest import MANIFEST_NAME, disk_bytes
+from packio.manifest import disk_bytes
 
 __all__ = ["Source", "disk_bytes", "open_source"]
 
@@ -103,20 +103,12 @@ class Source:
 def open_source(path: str | Path, csv: str | Path | None = None, csv_columns: str | None = None) -> Source:
     """An image folder (listed like ``packio convert`` lists it, with ``csv`` read through
     the ``csv_columns`` map) or a packed dataset."""
-    from packio.formats import open_reader
+    from packio.formats import is_packed, open_reader
 
     p = Path(str(path).rstrip("/") or "/")
     if not p.exists():
         raise SourceError(f"{p}: no such file or folder; give an image folder or a packed dataset")
-    packed = (p / MANIFEST_NAME).is_file() or p.is_file()
-    if not packed and p.is_dir():
-        try:
-            from packio.formats.tar import TarReader
-
-            packed = TarReader.detect_shards(str(p))
-        except PackioError:
-            packed = False
-    if packed:
+    if p.is_file() or is_packed(p):
         reader = open_reader(p)
         return Source(path=p, kind="packed", count=len(reader), format=reader.manifest.format, _reader=reader)
     from packio.sources import parse_columns, scan_source

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from packio import decode as dec
-from packio.read.batch import collate
+from packio.read.batch import collate, item
 from packio.errors import CorruptSampleError
 
 __all__ = ["StageCosts", "measure_stages", "transfer_cost"]
@@ -104,9 +104,8 @@ def _measure(layout: str, payload: Callable[[int], bytes | np.ndarray], indices:
         _, img, out, stored = runs[0]  # type: ignore[misc]
         done += 1
         hw.append(stored or img.shape[:2])
-        items.append({"image": torch.from_numpy(np.ascontiguousarray(out)).permute(2, 0, 1), "label": 0,
-                      "boxes": torch.zeros(0, 4), "box_labels": torch.zeros(0, dtype=torch.int64),
-                      "key": str(i), "index": i})
+        items.append(item(torch.from_numpy(np.ascontiguousarray(out)).permute(2, 0, 1), 0, torch.zeros(0, 4),
+                          torch.zeros(0, dtype=torch.int64), str(i), i))
     coll = 0.0
     if items:
         chunks = [items[a:a + batch_size] for a in range(0, len(items), batch_size)]

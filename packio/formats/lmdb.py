@@ -102,7 +102,7 @@ def _drop_mapped_pages(fd: int, path: Path) -> None:
     around them too (fault-around): ~65 B per sample written, held as RSS until close
     (measured at 100k). The writer writes with pwrite, never through the read-only map,
     so dropping the pages loses nothing; a later read faults them back from the cache."""
-    madvise = getattr(_libc(), "madvise", None)
+    madvise = getattr(ctypes.CDLL(None), "madvise", None)
     if madvise is None:
         return
     for start, length in _maps_of(fd, path):
@@ -110,10 +110,6 @@ def _drop_mapped_pages(fd: int, path: Path) -> None:
 
 
 _MADV_DONTNEED = 4
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None)
 
 
 _ENVS: dict[tuple[str, str], list] = {}  # (realpath, dataset id) -> [environment, readers using it]

@@ -342,12 +342,6 @@ def _group_names(expr: str, cap: int) -> int:
     return min(cap + 1, sum(_names_in(item, cap) for item in items))
 
 
-def _plain_rel(rel: str) -> bool:
-    """A relative path that stays below its folder: no '..', no absolute or hidden part."""
-    return bool(rel) and "\0" not in rel and "\\" not in rel and all(
-        p and not p.startswith(".") for p in rel.split("/"))
-
-
 def expand_pattern(pattern: str) -> tuple[str, list[str]]:
     """A brace pattern (``shard-{000000..000099}.tar``) as its folder (everything before
     the first brace, up to a ``/``) and the names it expands to below that folder: at
@@ -370,7 +364,7 @@ def expand_pattern(pattern: str) -> tuple[str, list[str]]:
         raise FormatError(f"{pattern}: not a brace pattern ({exc}); write e.g. shard-{{000000..000099}}.tar"
                           ) from None
     rels = [name[len(prefix):] for name in names]
-    bad = next((r for name, r in zip(names, rels) if not name.startswith(prefix) or not _plain_rel(r)), None)
+    bad = next((r for name, r in zip(names, rels) if not name.startswith(prefix) or not limits.plain_rel(r)), None)
     if bad is not None:
         raise FormatError(f"{pattern}: names {bad!r}, which is not a plain path below {prefix or './'}; "
                           f"a pattern may name only files under the folder before its first brace")

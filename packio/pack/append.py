@@ -34,7 +34,7 @@ from packio.formats import get_format, open_reader
 from packio.formats.reader import Reader, inside
 from packio.manifest import DIGEST, MANIFEST_NAME, Manifest, describe_files, file_digest, manifest_id
 from packio.options import PackOptions
-from packio.pack.commit import TMP_MARK, fsync_tree, remove, stale, temp_name
+from packio.pack.commit import TMP_MARK, fsync_path, fsync_tree, remove, stale, temp_name
 from packio.pack.prepare import Packed, Result
 from packio.sources.names import class_name
 
@@ -195,7 +195,7 @@ def commit_part(dst: Path, old: Manifest, tmp: Path, name: str, part: dict[str, 
         base = {BASE_PART: {"bytes": (dst / BASE_PART).stat().st_size, DIGEST: file_digest(dst / BASE_PART)}}
     top = top_manifest(old, part, name, {**old.files, **base, **_prefixed(dst / name, name)})
     top.extra["parts"][:-1] = [with_id(dst, p) for p in top.extra["parts"][:-1]]
-    _fsync_dir(dst)
+    fsync_path(dst, os.O_RDONLY | os.O_DIRECTORY)
     _write_atomic(dst / MANIFEST_NAME, top.to_json())
     return top
 
@@ -252,13 +252,5 @@ def _write_atomic(path: Path, text: str) -> None:
     except BaseException:
         remove(tmp)
         raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent, os.O_RDONLY | os.O_DIRECTORY)
 

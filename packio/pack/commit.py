@@ -21,10 +21,10 @@ from typing import Any, Iterator
 from packio.errors import FormatError, OutputBusyError, OutputExistsError, PackioError
 from packio.formats import open_reader
 from packio.formats.reader import Reader
-from packio.manifest import MANIFEST_NAME, trust_manifest
+from packio.manifest import MANIFEST_NAME, dataset_files, trust_manifest
 
 __all__ = ["TMP_MARK", "check_output", "check_not_inside_dataset", "output_lock", "terminate_cleanly", "staged",
-           "temp_name", "commit", "clean_stale", "stale", "is_dataset", "remove", "fsync_tree"]
+           "temp_name", "commit", "clean_stale", "stale", "is_dataset", "remove", "fsync_tree", "fsync_path"]
 
 TMP_MARK = ".packio-tmp-"
 
@@ -252,10 +252,14 @@ def commit(tmp: Path, dst: Path, overwrite: bool) -> None:
 
 def fsync_tree(root: Path) -> None:
     """Flush every file of the output to disk before it is renamed into place."""
-    paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    for p in dataset_files(root):
+        fsync_path(p)
+
+
+def fsync_path(path: Path, flags: int = os.O_RDONLY) -> None:
+    """Flush one file to disk (with ``os.O_DIRECTORY``: a folder's entries)."""
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

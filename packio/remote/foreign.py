@@ -29,7 +29,7 @@ from packio.errors import FormatError, RemoteNotFoundError
 from packio.formats.tar import expand_pattern, gather, scan_shard
 from packio.manifest import Manifest, file_digest
 from packio.remote.cache import Cache, FileInfo
-from packio.remote.reader import RemoteTarReader, identity, safe_rel, settings
+from packio.remote.reader import RemoteTarReader, identity, safe_rel, settings, version
 from packio.remote.shards import RemoteShards
 from packio.remote.store import Store, redact
 
@@ -73,15 +73,12 @@ def open_foreign(pattern: str, *, cache_dir: str | Path | None = None, cache_lim
                  timeout: float = 10.0, retry_seconds: float = 30.0) -> RemoteTarReader:
     """A reader for the foreign shards ``pattern`` names (see the module's docstring);
     the options are :func:`packio.remote.reader.open_url`'s."""
-    import xxhash
-
     cache, retry = settings(cache_dir, cache_limit, retries, timeout, retry_seconds)
     base, names = _split(pattern)
     store = Store(base, storage_options, retry)
     with ThreadPoolExecutor(min(_THREADS, len(names)), thread_name_prefix="packio-fetch") as pool:
         ids = list(pool.map(lambda n: identity(store, cache, n), names))
-        version = xxhash.xxh3_128_hexdigest(json.dumps([names, [i[:2] for i in ids]]).encode())[:16]
-        vdir = cache.version_dir(redact(pattern), version)
+        vdir = cache.version_dir(redact(pattern), version(json.dumps([names, [i[:2] for i in ids]]).encode()))
         scans = list(pool.map(lambda k: _scan(store, cache, vdir, names[k], k, *ids[k][::2]), range(len(names))))
     index, foreign, classes = gather([s for s, _ in scans])
     files: dict[str, FileInfo] = {n: (ids[k][0], scans[k][1]) for k, n in enumerate(names)}

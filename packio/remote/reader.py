@@ -88,7 +88,8 @@ def settings(cache_dir: str | Path | None, cache_limit: int | str | None, retrie
 
 
 def version(text: bytes) -> str:
-    """The name of one upload of a dataset: a digest of its manifest's bytes."""
+    """The name of one upload of a dataset: a digest of its manifest's bytes (or of what else
+    names it: a single file's identity, foreign shards' names and identities)."""
     import xxhash
 
     return xxhash.xxh3_128_hexdigest(text)[:16]
@@ -149,25 +150,21 @@ def identity(store: Store, cache: Cache, name: str) -> tuple[int, list[str], str
 def _open_single(store: Store, name: str, cache: Cache) -> Reader:
     """One-file datasets (HDF5): cached whole, versioned by the object's :func:`identity`,
     checked against its size when opened."""
-    import xxhash
-
     size, ident, digest = identity(store, cache, name)
-    vdir = cache.version_dir(store.url_of(name), xxhash.xxh3_128_hexdigest(repr((size, ident)).encode())[:16])
+    vdir = cache.version_dir(store.url_of(name), version(repr((size, ident)).encode()))
     _pin(vdir, cache.fetch_all(store, {name: (size, digest)}, vdir, None, threads=1))
     return open_reader(vdir / name)
 
 
-def _plain(rel: str) -> bool:
-    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
-        return False
-    return all(p and not p.startswith(".") for p in rel.split("/")) and rel != MANIFEST_NAME
-
-
 def safe_rel(rel: Any) -> bool:
-    """A plain relative path, also once percent-decoded (``%2e%2e/`` is ``../`` to a server)."""
+    """A plain relative path (:func:`packio.limits.plain_rel`, not the manifest), also once
+    percent-decoded (``%2e%2e/`` is ``../`` to a server)."""
     from urllib.parse import unquote
 
-    return isinstance(rel, str) and _plain(rel) and _plain(unquote(rel)) and "%" not in unquote(rel)
+    if not isinstance(rel, str):
+        return False
+    decoded = unquote(rel)
+    return all(limits.plain_rel(r) and r != MANIFEST_NAME for r in (rel, decoded)) and "%" not in decoded
 
 
 def listing(manifest: Manifest, url: str) -> dict[str, FileInfo]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from array import array
@@ -100,7 +101,7 @@ class _Walk:
         self.folders.append(prefix.rstrip("/").rsplit("/", 1)[-1])
         self.with_images.append(False)
         subfolders = []
-        for entry in _chain(first, entries):
+        for entry in itertools.chain([first] if first is not None else [], entries):
             sub = self.entry(prefix, folder, fid, *entry)
             if sub is not None:
                 subfolders.append((sub[0], sub[1], above))
@@ -153,13 +154,6 @@ class _Walk:
                       "--follow-symlinks packs it twice)", full, target)
             return False
         return True
-
-
-def _chain(first: tuple[str, bool, bool] | None, rest: Iterator[tuple[str, bool, bool]]
-           ) -> Iterator[tuple[str, bool, bool]]:
-    if first is not None:
-        yield first
-        yield from rest
 
 
 def walk(root: Path, skip: Skip, exclude: set[str], follow_symlinks: bool = False) -> Files:
