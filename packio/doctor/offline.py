@@ -419,6 +419,8 @@ def _time_files(run: _Run, orig: Candidate, now: Candidate, reader: Any, trial_s
     run.say(f"timing {now.title} ...")
     batch = run.timed_batch(now, slot)
     if not batch or orig.estimated:
+        if now.stages is not None:  # as _time does: an estimate keeps only the stages its loader runs
+            now.stages = now.stages.as_loaded(workers=False, resized=True)
         now.estimate(max(run.threads), orig.estimated or "not timed: a sample takes too long for --seconds")
         return
     paths = [str(run.sample_dir / reader.read(i).key) for i in range(len(reader))]
