@@ -2,6 +2,8 @@
 runs the training loop (examples/resumable_training.py) once per scenario of a JSON plan,
 and writes the keys each rank trained on, per epoch and batch, to ``OUT/NAME.rankR.json``.
 A scenario with ``"mix": true`` is one leg of test_mix's resumed run (tests/mix_worker.py).
+The plan's ``"alone": {"scenarios", "out"}``: scenarios rank 0 runs last, in a process group
+of world size 1 of its own (the 1-rank legs, without a launch of their own).
 
 A scenario: ``{"name", "path", "iterable", "epochs", "batch_size", "checkpoint",
 "loader_args", "dataset_args", "stop": [epoch, batches] or null}``; ``stop`` ends
@@ -88,6 +90,12 @@ def main() -> None:
         state_check(plan["state_check"], out, rank)
     dist.barrier()
     dist.destroy_process_group()
+    alone = plan.get("alone")
+    if alone and rank == 0:  # a world of one: every dataset, sampler and loader made anew, from the checkpoints
+        dist.init_process_group("gloo", init_method=f"file://{out / 'alone.store'}", rank=0, world_size=1)
+        for sc in alone["scenarios"]:
+            (leg if sc.get("mix") else run)(sc, Path(alone["out"]), 0)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

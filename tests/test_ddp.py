@@ -2,9 +2,10 @@
 (examples/resumable_training.py via tests/ddp_worker.py) and the keys each rank
 trained on are counted here.
 
-The session launches torchrun three times in all (tests/launches.py, shared with
-test_mix.py): two ranks (the start-method / worker matrix, and the first leg of each
-resume), then three ranks and one rank (the resumed legs).
+The session launches torchrun twice in all (tests/launches.py, shared with test_mix.py):
+two ranks (the start-method / worker matrix, and the first leg of each resume), then three
+ranks (the resumed legs), whose rank 0 then runs the one-rank legs in a process group of its
+own (world size 1).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def test_torchrun_state_is_the_same_on_every_rank(ddp):
 
 def test_torchrun_elastic_resume(ddp):
     """Stop at a random batch in epoch 0 and in epoch 1, resume from the JSON checkpoint in a fresh
-    torchrun with another world size (2→3→1, 2→1) and other num_workers: per epoch, the legs
+    process group with another world size (2→3→1, 2→1) and other num_workers: per epoch, the legs
     together train on every sample exactly once (plus the last leg's padding). With a corrupt
     sample and on_error="skip", every other sample exactly once."""
     legs, outs = ddp["legs"], ddp["outs"]

@@ -96,9 +96,9 @@ def test_readme_is_a_front_door():
     assert len(text.splitlines()) <= 250
     for page in re.findall(r"\]\((docs/[\w.-]+\.md)\)", text):
         assert (ROOT / page).is_file(), f"README links to {page}, which does not exist"
-    assert all((ROOT / "docs" / p).is_file() for p in ("formats.md", "training.md", "boxes.md", "remote.md",
-                                                       "gpu.md", "doctor.md", "benchmark.md", "limits.md",
-                                                       "layout.md"))
+    assert all((ROOT / "docs" / p).is_file() for p in ("formats.md", "training.md", "mixing.md", "boxes.md",
+                                                       "remote.md", "gpu.md", "doctor.md", "benchmark.md",
+                                                       "limits.md", "layout.md"))
     langs = [lang for p in PAGES for lang, _, _ in blocks(p)]
     assert langs.count("python") >= 10 and langs.count("bash") >= 10  # the pattern finds the blocks
     skipped = sum(s for p in PAGES for _, _, s in blocks(p))
