@@ -408,23 +408,31 @@ def test_batches_read_while_the_interpreter_exits(gen_folder_once, tmp_path):
 
 
 _INTERRUPT_CHILD = """
-import os, signal, sys, time
+import atexit, itertools, os, signal, sys, threading, time
 import packio, torch
 from packio import decode as dec
 torch.set_num_threads(2)
 ds = packio.open_dataset(sys.argv[1], resize=16)
-real, calls = dec.resize, []
+real, calls, number = dec.resize, [], itertools.count(1)
 
 
 def slow(*a, **kw):
     calls.append(time.monotonic())
-    if len(calls) == 6:
+    if next(number) == 6:  # each call its own number (two threads could both read len(calls) == 7)
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, mid-batch
     time.sleep(0.05)
     return real(*a, **kw)
 
 
+def held_start(self, start=threading.Thread.start):
+    start(self)  # the helper thread runs; this (main) thread is held, as a loaded machine may, until the Ctrl-C
+    threading.Event().wait(60)
+
+
 dec.resize = slow
+if sys.argv[2] == "held":
+    threading.Thread.start = held_start
+atexit.register(lambda: print("EXIT", len(calls)))  # after the decode helpers were joined
 try:
     ds.__getitems__([i % len(ds) for i in range(200)])
 except KeyboardInterrupt:
@@ -432,17 +440,21 @@ except KeyboardInterrupt:
 """
 
 
-def test_ctrl_c_mid_batch_stops_the_decode_threads(gen_folder_once, tmp_path):
+@pytest.mark.parametrize("held", ["", "held"])
+def test_ctrl_c_mid_batch_stops_the_decode_threads(gen_folder_once, tmp_path, held):
     """Ctrl-C while a batch is decoded on the default threads: the other threads take no
     further sample, so the interrupt surfaces at once (before: the pool thread decoded
-    the rest of the batch alone first, 190 of 200 samples here, twice the batch's time)."""
+    the rest of the batch alone first, 190 of 200 samples here, twice the batch's time).
+    ``held``: the Ctrl-C comes while the main thread is still starting the helper thread
+    (before: the helper decoded the whole batch alone, and the executor, which never
+    registered that thread, left it waiting for work: the process never exited)."""
     src, csv = gen_folder_once
     packio.convert(src, tmp_path / "d.lmdb", csv=csv, progress=False)
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_CHILD, str(tmp_path / "d.lmdb")], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_CHILD, str(tmp_path / "d.lmdb"), held],
+                          capture_output=True, text=True, timeout=120)
     out = proc.stdout.split()
-    assert out[:1] == ["INTERRUPTED"], proc.stderr[-1500:]
-    assert int(out[1]) <= 9  # the 6 started before the interrupt, and at most what was in flight then
+    assert out[:1] == ["INTERRUPTED"] and out[2:3] == ["EXIT"], proc.stderr[-1500:]
+    assert int(out[1]) <= 9 and int(out[3]) <= 9  # the 6 started before the interrupt, and what was in flight then
 
 
 def test_every_dataset_shares_the_processs_decode_threads(gen_folder_once, tmp_path):

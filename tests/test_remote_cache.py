@@ -254,7 +254,7 @@ a, b, cache, limit = sys.argv[1:5]
 fast = dict(retries=2, timeout=5.0, retry_seconds=10.0, decode=False)
 sources = [packio.open_dataset(u, iterable=True, cache_dir=cache, cache_limit=int(limit), **fast) for u in (a, b)]
 for source in sources:
-    source.reader.prefetch = 1
+    source.reader.source.prefetch = 1
 mixed = packio.mix(sources, window=1)
 keys = [k for batch in packio.DataLoader(mixed, batch_size=4, num_workers=2) for k in batch["key"]]
 print(len(keys), len(set(keys)))
@@ -325,7 +325,7 @@ import sys
 import packio
 ds = packio.open_dataset(sys.argv[1], iterable=True, cache_dir=sys.argv[2], cache_limit=10**9, retries=1,
                          timeout=60.0, retry_seconds=60.0, decode=False)
-ds.reader.prefetch = 0
+ds.reader.source.prefetch = 0
 print(next(iter(ds))["key"], flush=True)
 """
 
@@ -348,7 +348,7 @@ def test_a_download_in_flight_keeps_its_reservation_and_a_killed_one_gives_it_ba
     kid = subprocess.Popen([sys.executable, "-c", _FIRST_SAMPLE, b, str(cache)], stdout=subprocess.PIPE, text=True)
     stream = packio.open_dataset(a, iterable=True, cache_dir=cache, cache_limit=10**9, retries=1, timeout=60.0,
                                  retry_seconds=60.0, decode=False)
-    stream.reader.prefetch = 0
+    stream.reader.source.prefetch = 0
     first: list[str] = []
     here = threading.Thread(target=lambda: first.append(next(iter(stream))["key"]))
     here.start()
@@ -419,7 +419,7 @@ def test_map_style_reads_do_not_hold_the_cache_over_its_limit(noise_sets, tmp_pa
     mapped = packio.open_dataset(a, cache_dir=cache, cache_limit=limit, **FAST)
     assert len(mapped.reader.read_batch(list(range(0, 96, 4))).rows()) == 24  # one sample of each shard: 7 are cached
     stream = packio.open_dataset(b, iterable=True, cache_dir=cache, cache_limit=limit, **FAST)
-    stream.reader.prefetch = 4  # 5 shards in use at once: they fit the limit, not with the 7 mapped ones
+    stream.reader.source.prefetch = 4  # 5 shards in use at once: they fit the limit, not with the 7 mapped ones
     with _Peak(cache) as peak:
         assert len(list(stream)) == 96
     assert peak.peak <= limit + shard, f"{(peak.peak - limit) / shard:.1f} shards over"

@@ -68,6 +68,27 @@ def _helper_pool(count: int) -> Any:
     return _helpers[2]
 
 
+def _start_helpers(fn: Callable[[], None], n: int, futures: list[Any]) -> None:
+    """``fn`` submitted ``n`` times to the helper pool, its futures appended to ``futures``."""
+    global _helpers
+    pool = None
+    try:
+        pool = _helper_pool(n)
+        for _ in range(n):
+            futures.append(pool.submit(fn))
+    except RuntimeError:  # the interpreter is exiting, or the pool was just replaced: the caller does the rest
+        pass
+    except BaseException:
+        # Ctrl-C inside submit, while a new helper thread starts: the executor never registers that
+        # thread, which would then wait for work forever and keep the process from exiting. The pool
+        # is retired (its threads end after their task); the next batch makes a new one.
+        if pool is not None:
+            if _helpers is not None and _helpers[2] is pool:
+                _helpers = None
+            pool.shutdown(wait=False)
+        raise
+
+
 class DecodeThreads:
     """``count`` threads decode a batch (libjpeg-turbo and OpenCV release the GIL): ``count - 1`` pool
     helpers and the calling thread pull the next index from one shared counter (one task per thread
@@ -96,15 +117,14 @@ class DecodeThreads:
                     pass
                 raise
 
-        helpers = []
+        helpers: list[Any] = []
         try:
-            pool = _helper_pool(count - 1)
-            for _ in range(count - 1):
-                helpers.append(pool.submit(drain))
-        except RuntimeError:  # the interpreter is exiting, or the pool was just replaced: this thread does the rest
-            pass
-        try:
+            _start_helpers(drain, count - 1, helpers)
             drain()
+        except BaseException:  # also Ctrl-C while a helper starts, before this thread drains: they stop too
+            for _ in todo:
+                pass
+            raise
         finally:
             for f in helpers:  # no helper may still write into `out`; one not started has nothing left
                 if not f.cancel():  # (and waiting for it could wait on this very thread: a nested batch)
