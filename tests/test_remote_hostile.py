@@ -292,6 +292,7 @@ def test_second_conversion_to_one_url_is_busy(gen_folder, tmp_path, bucket, s3_s
 
 
 _KILLED_MID_UPLOAD = r"""
+import os
 import sys
 import threading
 from packio.cli import main
@@ -303,7 +304,7 @@ real = store.Store.put
 def put(self, local, rel):  # a shard goes up, then this conversion waits to be killed
     real(self, local, rel)
     if "/shard-" in rel:
-        print("uploading", flush=True)
+        os.write(1, b"uploading\n")  # one write: several upload threads get here (print's two writes interleaved)
         threading.Event().wait(120)
 
 
