@@ -359,11 +359,13 @@ class Reader(ABC):
         another folder at the path must hold this dataset (a cache's copy fetched again)."""
         try:
             now = folder_identity(self.path)
+            if now != self._h_root:
+                self._check_id(at_path=True)
+                self._h_root = now
         except OSError:
-            raise self._replaced() from None
-        if now != self._h_root:
-            self._check_id(at_path=True)
-            self._h_root = now
+            raise self._stick(self._replaced()) from None
+        except DatasetReplacedError as exc:  # sticky from any door (plan, images, check_stored too)
+            raise self._stick(exc) from None
 
     def _extended(self) -> bool:
         """Whether the dataset now at ``self.path`` is this one grown by appends (which
