@@ -358,14 +358,15 @@ class Reader(ABC):
         (memory maps) would serve a dataset that ``convert --overwrite`` swapped away for ever;
         another folder at the path must hold this dataset (a cache's copy fetched again)."""
         try:
-            now = folder_identity(self.path)
-            if now != self._h_root:
-                self._check_id(at_path=True)
-                self._h_root = now
+            now: tuple[int, int] | None = folder_identity(self.path)
         except OSError:
-            raise self._stick(self._replaced()) from None
-        except DatasetReplacedError as exc:  # sticky from any door (plan, images, check_stored too)
-            raise self._stick(exc) from None
+            now = None  # removed: the id says whether that is a replacement (a remote reader's cache folder is not)
+        if now != self._h_root:
+            try:
+                self._check_id(at_path=True)
+            except DatasetReplacedError as exc:  # sticky from any door (plan, images, check_stored too)
+                raise self._stick(exc) from None
+            self._h_root = now
 
     def _extended(self) -> bool:
         """Whether the dataset now at ``self.path`` is this one grown by appends (which
