@@ -7,10 +7,11 @@ packio`` and the CLI stay light)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from packio.errors import PackioError, is_url, redact
+from packio.errors import PackioError, SourceError, is_url, redact
 
 __all__ = ["convert", "describe", "mix", "open_dataset", "open_reader", "verify"]
 
@@ -72,6 +73,7 @@ def convert(src: Any, dst: str | Path, *args: Any, storage_options: dict[str, An
     through the cache (default options; ``storage_options`` apply to both URLs)."""
     from packio.pack import convert as convert_local
 
+    src = _source(src)
     if is_url(src):
         src = open_reader(str(src), storage_options=storage_options)
     if not is_url(dst):
@@ -84,6 +86,26 @@ def convert(src: Any, dst: str | Path, *args: Any, storage_options: dict[str, An
 
     return convert_to_url(convert_local, src, str(dst), *args, storage_options=storage_options, tmp_dir=tmp_dir,
                           **kwargs)
+
+
+def _source(src: Any) -> Any:
+    """What :func:`convert` packs from ``src``: a path, URL or reader as it is; an opened packio
+    dataset through its reader (its stored samples: decode options do not apply); a mix refused."""
+    from packio.formats.reader import Reader
+
+    if isinstance(src, (str, os.PathLike, Reader)):
+        return src
+    from packio.read.datasets import Reading
+    from packio.read.mix import MixedDataset
+
+    if isinstance(src, MixedDataset):
+        raise SourceError("a mix (packio.mix) is no source to convert: its samples are drawn at read time, by "
+                          "weight, epoch after epoch. Convert each of its sources (convert(..., append=True) grows "
+                          "one dataset from several), and mix them when reading")
+    if isinstance(src, Reading):
+        return src.reader
+    raise SourceError(f"cannot convert a {type(src).__name__}: give a path or URL of an image folder or a packed "
+                      f"dataset, or an opened packio dataset")
 
 
 def verify(path: str | Path, **remote: Any) -> Any:

@@ -276,3 +276,21 @@ def test_a_replaced_dataset_sticks_and_one_bad_sample_stays_in_place(request, pa
     for call in (lambda: reader.read(0), lambda: reader.key(3), lambda: reader.read_batch([0])):
         with pytest.raises(packio.DatasetReplacedError, match="replaced"):
             call()
+
+
+def test_an_overwrite_under_an_open_reader_is_noticed_at_its_next_call(packed, tmp_path):
+    """Handles kept open (LMDB's and .arrays' memory maps, an HDF5 file) would serve the old
+    version for ever: 'convert --overwrite' makes the next call of an open reader raise, and
+    every call after it (docs/formats.md), in the process that opened it too."""
+    import shutil
+
+    fmt, path, src, csv, _ = packed
+    mine = tmp_path / path.name
+    (shutil.copytree if path.is_dir() else shutil.copy2)(path, mine)
+    reader = packio.open_reader(str(mine))
+    reader.read(0), reader.read_batch([0, 1]), reader.key(1)
+    pack(src, csv, tmp_path, fmt, overwrite=True)
+    for call in (lambda: reader.read_batch([0, 1]), lambda: reader.read(0), lambda: reader.key(1),
+                 lambda: reader.read_batch([0])):
+        with pytest.raises(packio.DatasetReplacedError, match="replaced"):
+            call()

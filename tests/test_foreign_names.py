@@ -180,3 +180,35 @@ def test_a_dataset_path_that_is_not_utf8(tmp_path: Path, suffix: str) -> None:
     if suffix != ".h5":
         packio.convert(labelled(tmp_path / "more", 2, [b"0"], [None]), out, append=True, progress=False, workers=0)
         assert packio.verify(out).ok and len(packio.open_reader(out)) == 5
+
+
+def test_names_that_escape_alike_are_never_one_key_or_one_class(tmp_path: Path) -> None:
+    """b'caf\\xe9' is stored as the text caf\\xe9, which a UTF-8 name holding a backslash spells
+    already: two files so named in one folder are not two samples under one key (the escaped
+    one is skipped and counted), two class folders not one class (refused, naming both), two
+    members of a stranger's shard not one sample (refused). Ordinary names keep their keys."""
+    def write(path: bytes, seed: int) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(jpeg(20, 24, seed))
+
+    src = os.fsencode(tmp_path / "files")
+    for k, rel in enumerate([b"cats/caf\xe9.jpg", b"cats/caf\\xe9.jpg", b"dogs/d0.jpg"]):
+        write(src + b"/" + rel, k)
+    s = packio.convert(os.fsdecode(src), tmp_path / "f.lmdb", progress=False, workers=0)
+    r = packio.open_reader(tmp_path / "f.lmdb")
+    assert sorted(r.key(i) for i in range(len(r))) == ["cats/caf\\xe9.jpg", "dogs/d0.jpg"]
+    assert r.read([r.key(i) for i in range(len(r))].index("cats/caf\\xe9.jpg")).payload == jpeg(20, 24, 1)
+    assert sum(n for why, n in s.skipped.items() if "stored as another file's" in why) == 1, s.skipped
+
+    apart = os.fsencode(tmp_path / "classes")  # not siblings: one class name from two folders
+    for k, rel in enumerate([b"x/caf\xe9/a.jpg", b"y/caf\\xe9/b.jpg", b"y/tea/c.jpg"]):
+        write(apart + b"/" + rel, k)
+    with pytest.raises(packio.SourceError, match="would be one class") as exc:
+        packio.convert(os.fsdecode(apart), tmp_path / "c.lmdb", progress=False, workers=0)
+    assert {"'caf\\udce9'", "'caf\\\\xe9'"} <= set(str(exc.value).split()), str(exc.value)
+
+    theirs = shard(tmp_path / "sh" / "a.tar", [(b"caf\xe9.jpg", jpeg(20, 24, 0)), (b"caf\\xe9.cls", b"1"),
+                                               (b"other.jpg", jpeg(20, 24, 1))])
+    with pytest.raises(packio.FormatError, match="one key"):
+        packio.open_reader(theirs)

@@ -34,6 +34,18 @@ def folder(base: Path, spec: dict[str, int], tag: str) -> Path:
     return base
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _short_worker_join() -> Any:
+    """After a DataLoader worker raised, torch joins each worker of the dropped iterator for
+    MP_STATUS_CHECK_INTERVAL (5 s) before terminating it, plain torch too: half a second here
+    (read when joining only; the workers' own polling keeps its 5 s)."""
+    from torch.utils.data import _utils
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
+        yield
+
+
 def pack(src: Path, dst: Path, **kw: Any) -> str:
     return str(packio.convert(src, dst, progress=False, workers=0, **kw).output)
 
@@ -168,7 +180,7 @@ def test_overwrite_while_streaming_is_replaced_never_wrong_data(tmp_path, suffix
     """Batches read after a re-pack are the old version's or a DatasetReplacedError, and the
     replacement is noticed by the next epoch at the latest ('--overwrite still makes old
     readers raise DatasetReplacedError', docs/formats.md), whatever num_workers is."""
-    src = folder(tmp_path / "old", {"cats": 12, "dogs": 12}, "x")
+    src = folder(tmp_path / "old", {"cats": 6, "dogs": 6}, "x")
     kw = {"options": packio.PackOptions(resize=packio.ResizeSpec(size=(HW, HW)))} if suffix == ".arrays" else {}
     dst = pack(src, tmp_path / f"d{suffix}", **kw)
     old = _old_images(dst)
@@ -192,7 +204,7 @@ def test_overwrite_while_streaming_is_replaced_never_wrong_data(tmp_path, suffix
 
 
 def test_overwrite_of_a_mixed_source_under_workers_is_replaced(world, tmp_path):
-    src = folder(tmp_path / "old", {"cats": 10, "dogs": 10}, "y")
+    src = folder(tmp_path / "old", {"cats": 5, "dogs": 5}, "y")
     dst = pack(src, tmp_path / "d.lmdb")
     swapped = _swapped(src, tmp_path / "new")
     ds = packio.mix([packio.open_dataset(dst, iterable=True, resize=HW), opened(world, "c", tmp_path)], even=None)
@@ -415,9 +427,10 @@ def test_kept_batches_of_a_mix_equal_fresh_reads_at_the_end(world, tmp_path):
 
 
 def test_persistent_workers_set_epoch_and_resume_on_a_mix(world, tmp_path):
+    """Spawned persistent workers (the spawn case of the start methods: one start for both)."""
     want = all_keys(world)
     ds = a_mix(world, tmp_path)
-    dl = packio.DataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True)
+    dl = packio.DataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True, multiprocessing_context="spawn")
     orders = []
     for e in range(2):
         dl.set_epoch(e)
@@ -441,7 +454,7 @@ def test_persistent_workers_set_epoch_and_resume_on_a_mix(world, tmp_path):
     check_once(first + rest, want)
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("method", ["forkserver"])  # spawn: test_persistent_workers_set_epoch_and_resume_on_a_mix
 def test_a_mix_of_an_appended_lmdb_and_an_http_wds_under_start_methods(world, tmp_path, method):
     ds = a_mix(world, tmp_path)
     got, _, _ = take(ds, num_workers=2, multiprocessing_context=method)
@@ -763,7 +776,7 @@ def test_a_mix_with_replacement_resumed_on_another_world_draws_what_it_would_hav
         state = state or st
     for r in range(3):
         part, _, _ = take(a_mix(world, tmp_path, replacement=True, epoch_samples=30, rank=r, world_size=3),
-                          state=state, num_workers=1)
+                          state=state, num_workers=0)
         got += [(s, k) for s, k, _ in part]
     assert Counter(got) == ref
 
@@ -853,10 +866,10 @@ def test_converting_a_mix_packs_it_or_says_a_mix_is_no_source(world, tmp_path):
 
 def test_an_appended_lmdb_uploaded_to_s3_mixed_with_http_one_cache_resumed(world, bucket, s3_server, tmp_path):
     """append -> 'packio convert LOCAL s3://... ' (the docs' way to grow a URL dataset) -> a mix of it and
-    an HTTP .wds in one small cache, stopped on 2 ranks x 2 workers, resumed on 3 x 1: each sample once,
+    an HTTP .wds in one small cache, stopped on 2 ranks x 2 workers, resumed on 3 x 0: each sample once,
     labelled by name, the cache within its limit at the end."""
     url = f"s3://{bucket}/a.wds"
-    packio.convert(world["a"], url, shard_samples=3, progress=False)
+    packio.convert(world["a"], url, shard_samples=6, progress=False)
     cache = tmp_path / "cache"
     limit = 400_000
 
@@ -869,6 +882,6 @@ def test_an_appended_lmdb_uploaded_to_s3_mixed_with_http_one_cache_resumed(world
         part, st, _ = take(make(rank=r, world_size=2), stop=2, num_workers=2)
         got, state = got + part, state or st
     for r in range(3):
-        got += take(make(rank=r, world_size=3), state=state, num_workers=1)[0]
+        got += take(make(rank=r, world_size=3), state=state, num_workers=0)[0]
     check_once(got, all_keys(world, names=("a", "c")))
     assert _cache_bytes(cache) <= limit

@@ -453,3 +453,17 @@ def test_torchrun_resume_2_3_1_ranks_other_workers(torchrun_launches, tmp_path, 
     whole = run_epochs(packio.mix(paths, WEIGHTS, epoch_samples=60, seed=7, decode=False), 2)
     for e in (0, 1):
         assert seqs[str(e)] == whole[e], f"epoch {e}"
+
+
+def test_convert_refuses_a_mix_and_packs_an_opened_dataset(paths, tmp_path):
+    """packio.convert given the mix one trains on says what to do (before: 'no such file or
+    folder' about the object's repr); given an opened dataset, it packs its stored samples."""
+    with pytest.raises(packio.SourceError, match="a mix .* no source to convert") as exc:
+        packio.convert(packio.mix(paths[:2], resize=8), tmp_path / "m.lmdb", progress=False)
+    assert "object at 0x" not in str(exc.value) and not (tmp_path / "m.lmdb").exists()
+    for k, ds in enumerate((packio.open_dataset(paths[1], resize=8), packio.open_dataset(paths[1], iterable=True))):
+        out = packio.convert(ds, tmp_path / f"b{k}.wds", progress=False, workers=0).output
+        got = packio.open_dataset(str(out), decode=False)
+        assert [got.sample(i).key for i in range(len(got))] == [ds.sample(i).key for i in range(len(ds))]
+    with pytest.raises(packio.SourceError, match="cannot convert a int"):
+        packio.convert(3, tmp_path / "n.lmdb", progress=False)

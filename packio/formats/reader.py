@@ -335,11 +335,38 @@ class Reader(ABC):
             except BaseException:
                 self.close()
                 raise
+        else:
+            self._check_moved()
 
-    def _check_id(self) -> None:
-        if not self.manifest.source.get("foreign") and self._stored_id() != self.manifest.id \
-                and not self._extended():
+    def _check_id(self, at_path: bool = False) -> None:
+        """Raise unless the dataset at ``self.path`` is this one (or this one grown by appends);
+        ``at_path``: read its id from the path, never through open handles (HDF5's)."""
+        if self.manifest.source.get("foreign"):
+            return
+        if at_path and not self.MANIFEST_BESIDE:
+            try:
+                stored = type(self).read_manifest(self.path).id
+            except (OSError, FormatError):
+                raise self._replaced() from None
+        else:
+            stored = self._stored_id()
+        if stored != self.manifest.id and not self._extended():
             raise self._replaced()
+
+    def _check_moved(self) -> None:
+        """Each call once open: one stat of the dataset's folder (or file). Handles kept open
+        (memory maps) would serve a dataset that ``convert --overwrite`` swapped away for ever;
+        another folder at the path must hold this dataset (a cache's copy fetched again)."""
+        try:
+            now: tuple[int, int] | None = folder_identity(self.path)
+        except OSError:
+            now = None  # removed: the id says whether that is a replacement (a remote reader's cache folder is not)
+        if now != self._h_root:
+            try:
+                self._check_id(at_path=True)
+            except DatasetReplacedError as exc:  # sticky from any door (plan, images, check_stored too)
+                raise self._stick(exc) from None
+            self._h_root = now
 
     def _extended(self) -> bool:
         """Whether the dataset now at ``self.path`` is this one grown by appends (which

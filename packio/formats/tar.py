@@ -273,6 +273,7 @@ def _groups(tf: tarfile.TarFile, shard: Path, size: int) -> dict[str, dict[str, 
     """The shard's members grouped by key (in order), each group by extension; a key that is
     not UTF-8 is written with ``\\xNN`` escapes (:func:`packio.sample.text_key`)."""
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+    named: dict[str, str] = {}  # key -> the name it was made from (names that may escape alike)
     for m in tf:
         _check_member(m, shard)
         if not m.isfile():
@@ -282,7 +283,11 @@ def _groups(tf: tarfile.TarFile, shard: Path, size: int) -> dict[str, dict[str, 
         if "." not in base:
             continue
         stem, ext = base.split(".", 1)
-        key = text_key(m.name[: len(m.name) - len(base)] + stem)
+        name = m.name[: len(m.name) - len(base)] + stem
+        key = text_key(name)
+        if (not name.isascii() or "\\" in name) and named.setdefault(key, name) != name:  # b'caf\xe9', 'caf\\xe9'
+            raise FormatError(f"{shard}: members named {named[key]!r} and {name!r} are one key, {key!r}, as stored (a "
+                              f"name that is not UTF-8 is written with \\xNN escapes); rename one of them in the shard")
         group = groups.setdefault(key, {})
         if ext.lower() in group:  # never let a later member replace the first one silently
             raise FormatError(f"{shard}: member {m.name!r} repeats the key {key!r} (a duplicate key: two "

@@ -145,7 +145,7 @@ def split_source(client: Any, root: Path, csv: str | Path | None, columns: dict[
                           f"file names relative to the folder, or map the file-name column with --csv-columns "
                           f"filename=COLUMN")
     folders = labelling(set().union(*(r["image_folders"] for _, r in walked)))
-    classes = sort_classes(folders | set().union(*(r["labels"] for r in joined)))
+    classes = sort_classes(folders | set().union(*(r["labels"] for r in joined)), root)
     box_classes = sort_classes(set().union(*(r["box_classes"] for r in joined)))
     finished = _gather(client, [_submit(client, split.finish_chunk, str(at), csv_at or "", c, path,
                                         [r["path"] for r in joined], folders, classes, box_classes, frames,

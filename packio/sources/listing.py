@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from packio.errors import SourceError
 from packio.sample import text_key
 from packio.sources.csvrows import Rows, read_csv
 from packio.sources.join import join
-from packio.sources.names import class_name
+from packio.sources.names import class_name, stored_alike
 from packio.sources.strings import CHUNK, Strings, trim_heap
 from packio.sources.walk import Files, Skip, walk
 
@@ -93,9 +94,14 @@ def problem(reason: str, where: str, detail: str = "") -> str:
     return text_key(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
 
 
-def sort_classes(names: set[str]) -> list[str]:
+def sort_classes(names: set[str], where: str | Path = "") -> list[str]:
     """Sorted class names (in NFC: :func:`class_name`); numerically when all are integers (so '10'
-    comes after '9')."""
+    comes after '9'). Two folders (or labels) that would be one class as stored are refused."""
+    clash = stored_alike(names)
+    if clash:
+        raise SourceError(f"{where}: the folders (or labels) {clash[0]!r} and {clash[1]!r} would be one class, "
+                          f"{class_name(clash[0])!r}, as stored (a name that is not UTF-8 is written with \\xNN "
+                          f"escapes); rename one of them")
     names = {class_name(n) for n in names}
     if names and all(n.isdigit() for n in names):
         return sorted(names, key=lambda n: (int(n), n))
@@ -116,7 +122,7 @@ def image_folders(files: Files) -> set[str]:
 
 def labelling(names: set[str], at_least: int = 2) -> set[str]:
     """``names`` (of folders holding images), if they label images: when ``at_least`` names do."""
-    return names if len({class_name(n) for n in names}) >= at_least else set()
+    return names if len({unicodedata.normalize("NFC", n) for n in names}) >= at_least else set()
 
 
 def _remap(names: list[str], index: dict[str, int]) -> np.ndarray:
@@ -230,7 +236,7 @@ def scan_source(root: str | Path, csv_path: str | Path | None = None, columns: d
     bad = conflicts(rows, file_of, scan.skip, files.keys, strict)
     given = label_names(rows, file_of)
     named = folder_names(files, 1 if folder_classes and not given else 2)
-    scan.classes = sort_classes(named | given)
+    scan.classes = sort_classes(named | given, root)
     labels = image_labels(files, rows, file_of, named, scan.classes)
     keep = ~bad
     scan.box_classes = sort_classes(box_class_names(rows, file_of))

@@ -14,13 +14,25 @@ from collections import Counter
 
 from packio.sample import text_key
 
-__all__ = ["class_name", "case_notes"]
+__all__ = ["class_name", "case_notes", "stored_alike"]
 
 
 def class_name(name: str) -> str:
     """``name`` as a class name is stored: Unicode NFC; a folder name's bytes that are not
     UTF-8 written as ``\\xNN`` (:func:`packio.sample.text_key`)."""
     return text_key(unicodedata.normalize("NFC", name))
+
+
+def stored_alike(names: set[str]) -> tuple[str, str] | None:
+    """Two of ``names`` that are different texts (not NFC and NFD of one) yet one class name
+    as stored: a name whose bytes are not UTF-8 (``b'caf\\xe9'``) is written ``caf\\xe9``,
+    which a name holding a backslash may spell already. None when there are none."""
+    first: dict[str, str] = {}
+    for name in sorted(names):
+        other = first.setdefault(class_name(name), name)
+        if unicodedata.normalize("NFC", other) != unicodedata.normalize("NFC", name):
+            return other, name
+    return None
 
 
 def case_notes(names: list[str], *, since: int = 0, what: str = "class") -> Counter[str]:

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from packio.errors import SourceError
+from packio.sample import text_key
 from packio.sources.strings import CHUNK, Strings, StringsBuilder
 
 __all__ = ["Files", "walk", "walk_part", "PATH_MAX", "IMAGE_SUFFIXES"]
@@ -69,6 +70,7 @@ class _Walk:
         self.keys, self.folder_of = StringsBuilder(), array("i")
         self.folders: list[str] = []
         self.with_images: list[bool] = []
+        self.stored: dict[tuple[bool, str], str] = {}  # the folder being listed: its names that may escape alike
 
     def run(self, starts: list[Start] | None = None) -> Files:
         # (key prefix, folder, the folders above it): a followed link to one of those is a loop
@@ -98,6 +100,7 @@ class _Walk:
             return []
         above = above | {(st.st_dev, st.st_ino)}
         fid = len(self.folders)
+        self.stored.clear()
         self.folders.append(prefix.rstrip("/").rsplit("/", 1)[-1])
         self.with_images.append(False)
         subfolders = []
@@ -107,9 +110,29 @@ class _Walk:
                 subfolders.append((sub[0], sub[1], above))
         return subfolders
 
+    def stored_alike(self, folder: str, name: str, is_dir: bool) -> bool:
+        """Whether ``name`` is stored as an earlier entry of its folder is: a name that is not
+        UTF-8 is written with ``\\xNN`` escapes (:func:`packio.sample.text_key`), which a name
+        holding a backslash may spell already. Such a file is skipped and counted (two samples
+        under one key); such a folder refused (its images would share a class and keys)."""
+        if name.isascii() and "\\" not in name:
+            return False
+        first = self.stored.setdefault((is_dir, text_key(name)), name)
+        if first == name:
+            return False
+        if is_dir:
+            raise SourceError(f"{os.path.join(folder, first)!r} and {os.path.join(folder, name)!r}: two folders "
+                              f"whose names are stored alike, as {text_key(name)!r} (a name that is not UTF-8 is "
+                              f"written with \\xNN escapes); rename one of them")
+        self.skip("file name stored as another file's is (a name that is not UTF-8 is written with \\xNN escapes)",
+                  os.path.join(folder, name), f"as {first!r}")
+        return True
+
     def entry(self, prefix: str, folder: str, fid: int, name: str, link: bool,
               is_dir: bool) -> tuple[str, str] | None:
         """Take one entry: a file is listed, a folder returned, anything else skipped and counted."""
+        if self.stored_alike(folder, name, is_dir):
+            return None
         full = os.path.join(folder, name)
         if name.startswith("."):
             self.skip("hidden file or folder (name starts with '.')", full, "")
