@@ -268,6 +268,9 @@ from packio.formats import format_for_path
 writer = format_for_path(sys.argv[2]).writer
 add = writer.add
 def slow_add(self, sample):  # a slow disk: widens the window the kill can land in
+    if not getattr(writer, "started", False):
+        writer.started = True
+        print("writing", flush=True)  # the parent's kill lands after this, never while packio imports
     time.sleep(0.004)
     add(self, sample)
 writer.add = slow_add
@@ -298,11 +301,13 @@ def test_kill_at_random_points_leaves_nothing_half_written(big_folder, tmp_path,
     before = _tree_state(big_folder)
     dst = tmp_path / f"out{suffix}"
     outcomes = []
-    for attempt in range(5):
-        proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(big_folder), str(dst), str(attempt % 2 * 2)])
-        time.sleep(float(rng.uniform(0.2, 3.0)))
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(big_folder), str(dst), str(attempt % 2 * 2)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "writing"  # the first sample is being written
+        time.sleep(float(rng.uniform(0.0, 1.5)))  # 360 samples at 4 ms: mostly mid-write, sometimes done
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.communicate()
         if dst.exists():  # finished before the kill: must be complete and valid
             report = packio.verify(dst)
             assert report.ok and report.count == 360, report.text()
