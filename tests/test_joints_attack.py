@@ -12,7 +12,7 @@ import tarfile
 import unicodedata
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -165,6 +165,23 @@ def _old_images(path: str) -> dict[str, np.ndarray]:
     return {ds.sample(i).key: ds[i]["image"].numpy().copy() for i in range(len(ds))}
 
 
+def _stream_mix(ds: Any, dl: Any, replace: Callable[[], None]) -> tuple[list[tuple[int, str, str | None]], list[int]]:
+    """Two epochs of a mix's loader, ``replace()`` called once two samples are out: every
+    ``(source, key, class name)`` handed out, and the epochs that raised DatasetReplacedError."""
+    got: list[tuple[int, str, str | None]] = []
+    raised: list[int] = []
+    for epoch in range(2):
+        dl.set_epoch(epoch)
+        try:
+            for b in dl:
+                got += [(s, k, name(ds, c)) for s, k, c in zip(b["source"].tolist(), b["key"], b["label"].tolist())]
+                if len(got) == 2:
+                    replace()
+        except packio.DatasetReplacedError:
+            raised.append(epoch)
+    return got, raised
+
+
 def _swapped(src: Path, dst: Path) -> Path:
     """The same keys, other pixels, and every label the other class."""
     for cls, other in (("cats", "dogs"), ("dogs", "cats")):
@@ -209,16 +226,7 @@ def test_overwrite_of_a_mixed_source_under_workers_is_replaced(world, tmp_path):
     swapped = _swapped(src, tmp_path / "new")
     ds = packio.mix([packio.open_dataset(dst, iterable=True, resize=HW), opened(world, "c", tmp_path)], even=None)
     dl = packio.DataLoader(ds, batch_size=2, num_workers=1, prefetch_factor=1)
-    got, raised = [], []
-    for epoch in range(2):
-        dl.set_epoch(epoch)
-        try:
-            for b in dl:
-                got += [(s, k, name(ds, c)) for s, k, c in zip(b["source"].tolist(), b["key"], b["label"].tolist())]
-                if len(got) == 2:
-                    pack(swapped, dst, overwrite=True)
-        except packio.DatasetReplacedError:
-            raised.append(epoch)
+    got, raised = _stream_mix(ds, dl, lambda: pack(swapped, dst, overwrite=True))
     wrong = [x for x in got if x[2] != cls_of(x[1])]
     assert not wrong, f"the re-pack's labels handed out: {wrong}"
     assert raised and raised[-1] == 1, raised
@@ -656,16 +664,7 @@ def test_a_url_source_re_uploaded_under_a_streaming_mix(world, tmp_path):
     ds = packio.mix([packio.open_dataset(f"{world['url']}/f.wds", iterable=True, resize=HW,
                                          cache_dir=str(tmp_path / "cache")), opened(world, "a", tmp_path)], even=None)
     dl = packio.DataLoader(ds, batch_size=2, num_workers=1, prefetch_factor=1)
-    got, raised = [], []
-    for epoch in range(2):
-        dl.set_epoch(epoch)
-        try:
-            for b in dl:
-                got += [(s, k, name(ds, c)) for s, k, c in zip(b["source"].tolist(), b["key"], b["label"].tolist())]
-                if len(got) == 2:
-                    pack(swapped, served, overwrite=True, shard_samples=2)
-        except packio.DatasetReplacedError:
-            raised.append(epoch)
+    got, raised = _stream_mix(ds, dl, lambda: pack(swapped, served, overwrite=True, shard_samples=2))
     wrong = [x for x in got if x[2] != cls_of(x[1])]
     assert not wrong, f"the re-pack's labels handed out: {wrong}"
     assert raised and raised[-1] == 1, raised
@@ -696,18 +695,12 @@ def test_foreign_shards_rewritten_under_a_streaming_mix(world, tmp_path):
     ds = packio.mix([packio.open_dataset(str(tmp_path / "theirs"), iterable=True, resize=HW),
                      opened(world, "c", tmp_path)], even=None)
     dl = packio.DataLoader(ds, batch_size=2, num_workers=1, prefetch_factor=1)
-    got, raised = [], []
-    for epoch in range(2):
-        dl.set_epoch(epoch)
-        try:
-            for b in dl:
-                got += [(s, k, name(ds, c)) for s, k, c in zip(b["source"].tolist(), b["key"], b["label"].tolist())]
-                if len(got) == 2:  # a stranger re-writes their shards (each renamed in): other keys, labels
-                    _foreign_other(tmp_path / "next")
-                    for p in sorted((tmp_path / "next").iterdir()):
-                        p.replace(tmp_path / "theirs" / p.name)
-        except packio.DatasetReplacedError:
-            raised.append(epoch)
+    def rewrite() -> None:  # a stranger re-writes their shards (each renamed in): other keys, labels
+        _foreign_other(tmp_path / "next")
+        for p in sorted((tmp_path / "next").iterdir()):
+            p.replace(tmp_path / "theirs" / p.name)
+
+    got, raised = _stream_mix(ds, dl, rewrite)
     foreign = [(k, c) for s, k, c in got if s == 0]
     assert all(k in want and want[k] == c for k, c in foreign), foreign
     assert raised and raised[-1] == 1, raised
