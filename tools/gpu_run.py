@@ -512,7 +512,7 @@ def packio_fed(c: Ctx, workers: int) -> Pipe:
     import torch
 
     import packio
-    from packio.cuda import BatchDecoder, GPUTransform, Prefetcher
+    from packio.cuda import BatchDecoder, GPUTransform
 
     dec = BatchDecoder(c.dev, "auto" if c.dev.type == "cuda" else "cpu")
     tf = GPUTransform(size=(c.a.size, c.a.size), train=True, dtype=torch.float16, channels_last=True, device=c.dev,
@@ -521,14 +521,20 @@ def packio_fed(c: Ctx, workers: int) -> Pipe:
                                drop_last=True, num_workers=workers, persistent_workers=workers > 0,
                                pin_memory=c.dev.type == "cuda")
 
-    def run() -> int:
-        n = 0
-        for b in Prefetcher(loader, device=c.dev, transform=tf):
-            n += len(b["image"])
-        c.sync()
-        return n
+    run = prefetched(c, loader, tf)
     return Pipe(run, lambda: f"backend {getattr(dec.impl, 'name', 'cpu')}: {dec.gpu_decoded} on the GPU, "
                              f"{dec.cpu_decoded} on CPU threads")
+
+
+def prefetched(c: Ctx, loader: Any, tf: Callable[[dict], dict]) -> Callable[[], int]:
+    """One epoch of ``loader`` through packio's Prefetcher onto the device with ``tf``: the images it gave."""
+    from packio.cuda import Prefetcher
+
+    def run() -> int:
+        n = sum(len(b["image"]) for b in Prefetcher(loader, device=c.dev, transform=tf))
+        c.sync()
+        return n
+    return run
 
 
 def cpu_dataset(c: Ctx) -> Any:
@@ -552,19 +558,13 @@ def packio_cpu(c: Ctx) -> Pipe:
     import torch
 
     import packio
-    from packio.cuda import Prefetcher
 
     w = c.a.workers
     loader = packio.DataLoader(cpu_dataset(c), batch_size=c.a.batch, shuffle=True, drop_last=True, num_workers=w,
                                persistent_workers=w > 0, pin_memory=c.dev.type == "cuda")
     tf = normaliser(c, torch.float16)
 
-    def run() -> int:
-        n = 0
-        for b in Prefetcher(loader, device=c.dev, transform=tf):
-            n += len(b["image"])
-        c.sync()
-        return n
+    run = prefetched(c, loader, tf)
     how = "read-time crop" if CPU_READ_CROP else "transform="
     return Pipe(run, lambda: f"packio CPU decoder on {w} DataLoader workers ({how})")
 
